@@ -1,0 +1,13 @@
+"""swan_dist: the SWAN optimizer (SGD with Whitening And Normalization) for sharded, multi-node training."""
+
+from .functional import WhitenConfig, grad_norm, rescale, swan_update, whiten
+from .optimizer import FALLBACKS, SWAN
+from .presets import list_presets, load_preset
+from .selection import Rule, classify, param_groups, tag_model
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "SWAN", "FALLBACKS", "WhitenConfig", "grad_norm", "whiten", "rescale", "swan_update",
+    "load_preset", "list_presets", "param_groups", "tag_model", "classify", "Rule",
+]

@@ -1,0 +1,132 @@
+"""Which parameters SWAN whitens, and why; everything else takes the fallback rule.
+
+Default scope (the paper, following GaLore): the weight matrices of linear projections. Embeddings,
+the output head, norms and biases take the fallback rule. The decision for each parameter comes with
+a reason, shown in the optimizer's start-up summary, so nothing falls back silently.
+
+Precedence, first match wins:
+ 1. a param group's explicit ``use_swan`` key;
+ 2. user ``exclude`` patterns, then user ``include`` patterns (regular expressions searched in the name);
+ 3. a tag left on the parameter by :func:`tag_model` (module types known), which survives frameworks
+    that hand the optimizer bare parameters (DeepSpeed, DDP);
+ 4. the built-in name rules (embedding/head names), then the tensor's dimensionality.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from torch import nn
+
+__all__ = ["Rule", "DEFAULT_EXCLUDE", "classify", "tag_model", "param_groups", "collapse_name", "tagged_name"]
+
+# Module-path components that name an embedding or an output head (LLaMA, HF, GPT-2, Megatron, ...).
+DEFAULT_EXCLUDE = (
+    r"(^|\.)[^.]*embed[^.]*\.",
+    r"(^|\.)(wte|wpe|lm_head|output|output_layer|head|classifier|score)\.",
+)
+
+_TAG = "_swan_rule"
+_NAME_TAG = "_swan_name"
+
+
+@dataclass(frozen=True)
+class Rule:
+    use_swan: bool
+    reason: str
+
+
+def _search(patterns: Sequence[str] | None, name: str | None) -> str | None:
+    if name is None:
+        return None
+    for p in patterns or ():
+        if re.search(p, name):
+            return p
+    return None
+
+
+def classify(
+    name: str | None,
+    param: torch.Tensor,
+    include: Sequence[str] | None = None,
+    exclude: Sequence[str] | None = None,
+) -> Rule:
+    """Rule for one parameter from its name and tensor (steps 2-4 of the precedence above)."""
+    ndim = param.dim()
+    if (p := _search(exclude, name)) is not None:
+        return Rule(False, f"matches exclude pattern {p!r}")
+    if (p := _search(include, name)) is not None:
+        if ndim < 2:
+            return Rule(False, f"matches include pattern {p!r} but is {ndim}-D, not a matrix")
+        return Rule(True, f"matches include pattern {p!r}")
+    tag = getattr(param, _TAG, None)
+    if isinstance(tag, Rule):
+        return tag
+    if ndim < 2:
+        return Rule(False, f"{ndim}-D tensor (bias/norm), not a matrix")
+    if (p := _search(DEFAULT_EXCLUDE, name)) is not None:
+        return Rule(False, "embedding or output head (name)")
+    if ndim > 2:
+        return Rule(False, f"{ndim}-D tensor: include it by name to whiten it as a stack of matrices")
+    if name is None:
+        return Rule(True, "2-D tensor, name unknown (pass named_parameters() or tag_model(model))")
+    return Rule(True, "2-D weight matrix")
+
+
+def tag_model(
+    model: nn.Module, include: Sequence[str] | None = None, exclude: Sequence[str] | None = None
+) -> dict[str, Rule]:
+    """Decide each parameter's rule from module types and names, and leave the decision on the
+    parameter itself so that optimizers built from bare parameters (DeepSpeed, DDP) still know it.
+
+    ``nn.Linear`` weights get SWAN unless named like an output head or shared with an embedding;
+    ``nn.Embedding`` weights, norms and biases take the fallback rule. Returns ``{name: Rule}``.
+    """
+    embed_ids = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    by_id: dict[int, tuple[nn.Module, str]] = {}
+    for mod_name, mod in model.named_modules():
+        for pname, p in mod.named_parameters(recurse=False):
+            by_id.setdefault(id(p), (mod, pname))
+    rules: dict[str, Rule] = {}
+    for name, p in model.named_parameters():
+        mod, pname = by_id[id(p)]
+        rule = classify(name, p, include, exclude)
+        user_matched = _search(exclude, name) or _search(include, name)
+        if not user_matched:
+            if id(p) in embed_ids:
+                rule = Rule(False, "nn.Embedding weight" + (" (tied with the output head)"
+                                                             if not isinstance(mod, nn.Embedding) else ""))
+            elif isinstance(mod, nn.Linear) and pname == "weight" and rule.use_swan:
+                rule = Rule(True, "nn.Linear weight")
+            elif p.dim() == 2 and rule.use_swan:
+                rule = Rule(True, f"2-D weight of {type(mod).__name__}")
+        setattr(p, _TAG, rule)
+        setattr(p, _NAME_TAG, name)
+        rules[name] = rule
+    return rules
+
+
+def param_groups(
+    model: nn.Module,
+    include: Sequence[str] | None = None,
+    exclude: Sequence[str] | None = None,
+    **group_options,
+) -> list[dict]:
+    """Tag ``model``'s parameters (:func:`tag_model`) and return one named param group for SWAN.
+    Extra keyword arguments become group options (``fallback="sign"``, ``weight_decay=0.1``, ...)."""
+    tag_model(model, include, exclude)
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    return [{"params": [p for _, p in named], "param_names": [n for n, _ in named], **group_options}]
+
+
+def tagged_name(param: torch.Tensor) -> str | None:
+    """The name :func:`tag_model` recorded on a parameter, if any."""
+    return getattr(param, _NAME_TAG, None)
+
+
+def collapse_name(name: str) -> str:
+    """``layers.0.attention.wq.weight`` → ``layers.*.attention.wq.weight`` for compact summaries."""
+    return re.sub(r"(^|\.)\d+(?=\.)", r"\1*", name)

@@ -1,0 +1,296 @@
+"""swan_dist.SWAN as a torch optimizer: parameter selection, update rule, fallback rules, state,
+torch optimizer conventions, bad input, presets, and short runs in which the loss falls."""
+
+import copy
+import math
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import swan_dist
+from swan_dist import SWAN, WhitenConfig, swan_update
+
+pytestmark = pytest.mark.timeout(120)
+
+
+class Toy(nn.Module):
+    """Embedding, two blocks of (norm, linear with bias, linear), untied head."""
+
+    def __init__(self, vocab=50, dim=16, tie=False):
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(
+            nn.ModuleDict(dict(norm=nn.LayerNorm(dim), up=nn.Linear(dim, 2 * dim), down=nn.Linear(2 * dim, dim, bias=False)))
+            for _ in range(2)
+        )
+        self.output = nn.Linear(dim, vocab, bias=False)
+        if tie:
+            self.output.weight = self.tok_embeddings.weight
+
+    def forward(self, x):
+        h = self.tok_embeddings(x)
+        for blk in self.layers:
+            h = h + blk["down"](torch.relu(blk["up"](blk["norm"](h))))
+        return self.output(h)
+
+
+def _loss(model, x):
+    return nn.functional.cross_entropy(model(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten())
+
+
+def _rules(opt):
+    return {name: rule_name for name, _, rule_name, _ in opt._rows}
+
+
+def test_default_selection_by_module_type_and_summary(capsys):
+    model = Toy(tie=True)
+    opt = SWAN(model, lr=0.01)
+    rules = _rules(opt)
+    assert rules["layers.0.up.weight"] == "SWAN" and rules["layers.1.down.weight"] == "SWAN"
+    for name in ["tok_embeddings.weight", "layers.0.up.bias", "layers.0.norm.weight"]:
+        assert rules[name] == "fallback:adamw", name
+    out = capsys.readouterr().out
+    assert "4 matrices whitened by SWAN" in out and "layers.*.up.weight" in out
+    assert "tied with the output head" not in out or "nn.Embedding" in out
+    assert [g["use_swan"] for g in opt.param_groups] == [True, False]
+
+
+def test_selection_by_name_include_exclude_groups_and_bare_tensors():
+    model = Toy()
+    opt = SWAN(model.named_parameters(), lr=0.01, verbose=False)
+    rules = _rules(opt)
+    assert rules["output.weight"].startswith("fallback") and rules["layers.0.down.weight"] == "SWAN"
+    opt = SWAN(model.named_parameters(), lr=0.01, include=[r"^output\."], exclude=[r"\.down\."], verbose=False)
+    rules = _rules(opt)
+    assert rules["output.weight"] == "SWAN" and rules["layers.0.down.weight"].startswith("fallback")
+    opt = SWAN([{"params": [model.output.weight], "use_swan": True}, {"params": [model.layers[0].up.weight], "use_swan": False}], lr=0.1, verbose=False)
+    assert [g["use_swan"] for g in opt.param_groups] == [True, False]
+    with pytest.raises(ValueError, match="use_swan=True"):
+        SWAN([{"params": [model.layers[0].up.bias], "use_swan": True}], lr=0.1, verbose=False)
+    fresh = nn.Linear(4, 3)  # bare, untagged: decided by shape, and the summary says the name is unknown
+    opt = SWAN(fresh.parameters(), lr=0.1, verbose=False)
+    assert "name unknown" in opt.summary()
+    swan_dist.tag_model(model)  # tagged bare parameters (what DeepSpeed hands over) keep their rules
+    opt = SWAN(model.parameters(), lr=0.1, verbose=False)
+    rules = _rules(opt)
+    assert rules["tok_embeddings.weight"].startswith("fallback") and rules["layers.0.up.weight"] == "SWAN"
+
+
+def test_stacked_3d_parameter_whitened_per_matrix_when_included():
+    experts = nn.Parameter(torch.randn(3, 6, 4))
+    opt = SWAN([("experts", experts)], lr=0.1, preset=None, verbose=False)
+    assert _rules(opt)["experts"].startswith("fallback")
+    opt = SWAN([("experts", experts)], lr=0.1, alpha=1.0, preset=None, include=["experts"], verbose=False)
+    experts.grad = torch.randn(3, 6, 4)
+    before = experts.detach().clone()
+    opt.step()
+    expected = torch.stack([swan_update(experts.grad[i])[0] for i in range(3)])
+    assert torch.allclose(before - experts.detach(), 0.1 * expected, atol=1e-6)
+
+
+def test_step_equals_functional_and_fallback_equals_torch_adamw():
+    torch.manual_seed(0)
+    model = Toy()
+    ref = copy.deepcopy(model)
+    opt = SWAN(model, lr=0.01, alpha=0.5, weight_decay=0.1, verbose=False)
+    swan_names = {n for n, _, r, _ in opt._rows if r == "SWAN"}
+    adamw = torch.optim.AdamW([p for n, p in ref.named_parameters() if n not in swan_names], lr=0.01, weight_decay=0.1, betas=(0.9, 0.999), eps=1e-8)
+    x = torch.randint(0, 50, (4, 9))
+    for _ in range(3):
+        for m in (model, ref):
+            m.zero_grad()
+            _loss(m, x).backward()
+        expected = {}
+        for n, p in ref.named_parameters():
+            if n in swan_names:
+                upd, _ = swan_update(p.grad)
+                expected[n] = p.detach() * (1 - 0.005 * 0.1) - 0.005 * upd
+        opt.step()
+        adamw.step()
+        with torch.no_grad():
+            for n, p in ref.named_parameters():
+                if n in swan_names:
+                    p.copy_(expected[n])
+        for (n, a), b in zip(model.named_parameters(), ref.parameters()):
+            assert torch.allclose(a, b, atol=1e-6), n
+
+
+@pytest.mark.parametrize("fallback", ["sign", "sgd"])
+def test_stateless_fallbacks_keep_zero_state(fallback):
+    model = Toy()
+    opt = SWAN(model, lr=0.01, fallback=fallback, verbose=False)
+    emb = model.tok_embeddings.weight
+    before = emb.detach().clone()
+    _loss(model, torch.randint(0, 50, (4, 9))).backward()
+    g = emb.grad.clone()
+    opt.step()
+    step = g.sign() if fallback == "sign" else g
+    assert torch.allclose(emb.detach(), before - 0.01 * step)
+    assert opt.state_dict()["state"] == {}
+
+
+def test_state_dict_holds_no_swan_state_and_round_trips():
+    torch.manual_seed(0)
+    model = Toy()
+    opt = SWAN(model, verbose=False)
+    x = torch.randint(0, 50, (4, 9))
+
+    def train(m, o, n):
+        for _ in range(n):
+            o.zero_grad()
+            _loss(m, x).backward()
+            o.step()
+
+    train(model, opt, 2)
+    sd = opt.state_dict()
+    swan_ids = {i for g in sd["param_groups"] if g["use_swan"] for i in g["params"]}
+    assert swan_ids and not (swan_ids & set(sd["state"]))
+    assert set(sd["state"]) == {i for g in sd["param_groups"] if not g["use_swan"] for i in g["params"]}
+    model2 = copy.deepcopy(model)
+    opt2 = SWAN(model2, verbose=False)
+    opt2.load_state_dict(copy.deepcopy(sd))
+    train(model, opt, 2)
+    train(model2, opt2, 2)
+    for a, b in zip(model.parameters(), model2.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_torch_optimizer_conventions():
+    model = Toy()
+    opt = SWAN(model, lr=0.01, verbose=False)
+    calls = []
+    opt.register_step_pre_hook(lambda o, a, k: calls.append("pre"))
+    opt.register_step_post_hook(lambda o, a, k: calls.append("post"))
+    x = torch.randint(0, 50, (4, 9))
+
+    def closure():
+        opt.zero_grad()
+        loss = _loss(model, x)
+        loss.backward()
+        return loss
+
+    loss = opt.step(closure)
+    assert isinstance(loss, torch.Tensor) and calls == ["pre", "post"]
+    opt.zero_grad()
+    assert all(p.grad is None for p in model.parameters())
+    clone = copy.deepcopy(opt)
+    assert clone.state_dict()["param_groups"] == opt.state_dict()["param_groups"]
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5)
+    assert [g["lr"] for g in opt.param_groups] == [0.005, 0.005]
+    w = model.layers[0].up.weight
+    before = w.detach().clone()
+    opt.step(closure)
+    sched.step()
+    delta = (w.detach() - before).norm()  # SWAN update norm is sqrt(mn): step = lr * alpha * sqrt(mn)
+    assert math.isclose(delta.item(), 0.005 * 0.05 * math.sqrt(w.numel()), rel_tol=1e-4)
+
+
+def test_dcp_init_with_zero_grads_and_lr_zero_writes_no_nan():
+    """torch.distributed.checkpoint's get_state_dict steps once with zero grads and lr 0."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model = Toy()
+    opt = SWAN(model, verbose=False)
+    before = [p.detach().clone() for p in model.parameters()]
+    _, osd = get_state_dict(model, opt)
+    for a, b in zip(model.parameters(), before):
+        assert torch.equal(a, b)
+    assert "state" in osd and all(g["lr"] == 0.02 for g in opt.param_groups)
+
+
+def test_nonfinite_skip_and_raise():
+    model = Toy()
+    x = torch.randint(0, 50, (4, 9))
+    opt = SWAN(model, lr=0.01, verbose=False)
+    _loss(model, x).backward()
+    opt.step()  # creates AdamW state
+    emb_state = copy.deepcopy(opt.state[model.tok_embeddings.weight])
+    opt.zero_grad()
+    _loss(model, x).backward()
+    model.layers[0].up.weight.grad[0, 0] = float("nan")
+    model.tok_embeddings.weight.grad[1, 1] = float("inf")
+    frozen = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with pytest.warns(RuntimeWarning, match="layers.0.up.weight"):
+        opt.step()
+    assert torch.equal(model.layers[0].up.weight, frozen["layers.0.up.weight"])
+    assert torch.equal(model.tok_embeddings.weight, frozen["tok_embeddings.weight"])
+    assert torch.equal(opt.state[model.tok_embeddings.weight]["exp_avg"], emb_state["exp_avg"])
+    assert not torch.equal(model.layers[1].up.weight, frozen["layers.1.up.weight"])
+    assert opt.nonfinite_skips["layers.0.up.weight"] == 1
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+    opt = SWAN(model, lr=0.01, nonfinite="raise", verbose=False)
+    frozen = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with pytest.raises(FloatingPointError, match="tok_embeddings.weight"):
+        opt.step()
+    for n, p in model.named_parameters():
+        assert torch.equal(p, frozen[n]), n
+
+
+def test_zero_and_empty_and_bf16_parameters():
+    w = nn.Parameter(torch.randn(8, 4))
+    e = nn.Parameter(torch.empty(0, 4))
+    b = nn.Parameter(torch.randn(8, 4, dtype=torch.bfloat16))
+    opt = SWAN([("w", w), ("e", e), ("b", b)], lr=0.1, verbose=False)
+    w.grad, e.grad, b.grad = torch.zeros(8, 4), torch.empty(0, 4), torch.randn(8, 4, dtype=torch.bfloat16)
+    before = w.detach().clone(), b.detach().clone()
+    opt.step()
+    assert torch.equal(w, before[0]) and e.shape == (0, 4)
+    assert b.dtype == torch.bfloat16 and not torch.equal(b, before[1]) and torch.isfinite(b).all()
+
+
+def test_presets_load_and_configure():
+    assert set(swan_dist.list_presets()) >= {"swan_0", "swan_dagger", "swan_ddagger"}
+    p = swan_dist.load_preset("SWAN‡")
+    assert p["name"] == "swan_ddagger" and p["optimizer"]["whitening"] == "nsds"
+    model = Toy()
+    cases = {"swan_0": ("ns", 10, 0.8, 1.0, 0.001), "swan_dagger": ("ns", 10, 0.8, 0.05, 0.02), "swan_ddagger": ("nsds", 2, 0.4, 0.05, 0.02)}
+    for name, (method, steps, beta, alpha, lr) in cases.items():
+        g = SWAN(model, preset=name, verbose=False).param_groups[0]
+        assert (g["whitening"], g["ns_steps"], g["beta"], g["alpha"], g["lr"]) == (method, steps, beta, alpha, lr)
+    g = SWAN(model, preset="swan_0", lr=0.5, ns_steps=3, verbose=False).param_groups[0]
+    assert (g["lr"], g["ns_steps"], g["whitening"]) == (0.5, 3, "ns")
+    with pytest.raises(ValueError, match="unknown SWAN preset 'swan_3'.*swan_ddagger"):
+        SWAN(model, preset="swan_3")
+    with pytest.raises(TypeError):
+        SWAN(model, lr=0.1, momentum=0.9)
+    with pytest.raises(ValueError, match="fallback"):
+        SWAN(model, fallback="lion")
+    with pytest.raises(ValueError, match="lr is required"):
+        SWAN(model, preset=None)
+
+
+def test_preset_file_with_unknown_key_is_named(tmp_path):
+    bad = tmp_path / "mine.yaml"
+    bad.write_text("optimizer:\n  lr: 0.1\n  ns_stepz: 3\n")
+    with pytest.raises(ValueError, match="ns_stepz"):
+        swan_dist.load_preset(str(bad))
+
+
+def _permutation_task(seed=0):
+    """Sequences that follow a fixed random permutation of the vocabulary: x[t+1] = perm[x[t]]."""
+    g = torch.Generator().manual_seed(seed)
+    perm = torch.randperm(50, generator=g)
+    seqs = [torch.randint(0, 50, (256,), generator=g)]
+    for _ in range(11):
+        seqs.append(perm[seqs[-1]])
+    return torch.stack(seqs, dim=1)
+
+
+@pytest.mark.parametrize("preset", ["swan_0", "swan_dagger", "swan_ddagger"])
+def test_short_run_loss_falls_with_each_preset(preset):
+    torch.manual_seed(0)
+    model = Toy(dim=32)
+    opt = SWAN(model, preset=preset, lr=0.01 if preset == "swan_0" else None, verbose=False)
+    data = _permutation_task()
+    losses = []
+    for step in range(60):
+        batch = data[(step * 32) % 256 :][:32]
+        opt.zero_grad()
+        loss = _loss(model, batch)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert sum(losses[-5:]) / 5 < 0.6 * sum(losses[:5]) / 5, losses[::10]
