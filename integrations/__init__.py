@@ -4,3 +4,19 @@ Each adapter only answers, for every managed matrix: which contiguous piece of i
 where that piece's gradient is, and where its update goes. The math lives in
 ``swan_dist.functional``; the optimizer in ``swan_dist.optimizer``.
 """
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from swan_dist.routing import Piece
+
+from .ddp import replicated_piece
+from .fsdp2 import dtensor_piece, is_dtensor
+
+
+def locate(param: Tensor, name: str) -> Piece:
+    """This rank's piece of ``param`` (the one question every adapter answers)."""
+    if is_dtensor(param):
+        return dtensor_piece(param, name)
+    return replicated_piece(param)

@@ -61,8 +61,10 @@ class WhitenConfig:
 def resolve_dtype(cfg: WhitenConfig, device: torch.device) -> torch.dtype:
     """Precision of the whitening iteration.
 
-    'auto' follows the paper where it is cheap: NSDS in bf16 on CUDA, NS in fp32. On CPU bf16 matmul
-    is ~100x slower than fp32 (measured ~1 vs ~170 GFLOP/s), so 'auto' is fp32 there.
+    'auto' follows the paper where it is cheap: NSDS in bf16 on CUDA, NS in fp32. On CPU 'auto' is
+    fp32: bf16 matmul speed there depends on the ISA (~1 vs ~170 GFLOP/s fp32 on CPUs without
+    AVX512-BF16; faster than fp32 on some that have it, see docs/benchmarks.md), and fp32 keeps CPU
+    runs comparable to the fp32 reference. Ask for 'bfloat16' explicitly where it pays.
     """
     if cfg.dtype != "auto":
         return getattr(torch, cfg.dtype)

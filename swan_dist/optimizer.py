@@ -12,6 +12,7 @@ Param groups are split on construction into SWAN groups (``use_swan=True``) and 
 from __future__ import annotations
 
 import warnings
+import zlib
 from collections import Counter, defaultdict
 from typing import Any, Callable, Iterable, Sequence
 
@@ -20,8 +21,11 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim.adam import adam as _adam_functional
 
+from swan_dist.integrations import locate
+
 from .functional import WhitenConfig, resolve_dtype, swan_update
 from .presets import OPTIMIZER_KEYS, load_preset
+from .routing import Exchange, MatrixSpec, Piece, build_plan, gather_step_flags
 from .selection import Rule, classify, collapse_name, param_groups, tagged_name
 
 __all__ = ["SWAN", "FALLBACKS"]
@@ -86,6 +90,12 @@ class SWAN(torch.optim.Optimizer):
             fallback state included, and a warning names it) or ``raise`` (``FloatingPointError``
             naming the parameters, raised before anything is modified).
         include, exclude: regular expressions on parameter names forcing SWAN / the fallback.
+        mode: where matrices are whitened when ``torch.distributed`` runs with world size > 1:
+            ``owner`` (w/ MP: each matrix once, on one rank; the default, ``auto``), ``replicated``
+            (every rank whitens every matrix: the paper's w/o MP) or ``local`` (each rank whitens what
+            it holds; only for whole, replicated matrices).
+        bucket_mb: bound, in MB of full fp32 matrices, of one exchange bucket (the owner's transient memory).
+        process_group: the data-parallel group the matrices are sharded/replicated over (default: world).
         verbose: print the start-up summary (rank 0 only).
     """
 
@@ -108,6 +118,9 @@ class SWAN(torch.optim.Optimizer):
         nonfinite: str | None = None,
         include: Sequence[str] | None = None,
         exclude: Sequence[str] | None = None,
+        mode: str = "auto",
+        bucket_mb: float = 256.0,
+        process_group: dist.ProcessGroup | None = None,
         verbose: bool = True,
     ) -> None:
         defaults: dict[str, Any] = dict(_BASE)
@@ -126,6 +139,11 @@ class SWAN(torch.optim.Optimizer):
             raise ValueError("SWAN: lr is required when no preset is given")
         defaults["betas"] = tuple(defaults["betas"])
         _check_group(defaults)
+        if mode not in ("auto", "owner", "replicated", "local"):
+            raise ValueError(f"mode must be 'auto', 'owner', 'replicated' or 'local', got {mode!r}")
+        self.mode, self.bucket_mb, self.process_group = mode, float(bucket_mb), process_group
+        self._plan: Exchange | None = None  # rebuilt from the model when layouts change; never state
+        self._plan_layouts: list | None = None
         self._include, self._exclude = list(include or ()), list(exclude or ())
         self._rows: list[tuple[str, tuple[int, ...], str, Rule]] = []  # for the summary, not state
         self.nonfinite_skips: Counter[str] = Counter()
@@ -208,28 +226,38 @@ class SWAN(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        work = [
-            [(p, name) for p, name in self._named(g) if p.grad is not None] for g in self.param_groups
-        ]
-        bad = self._nonfinite([pn for w in work for pn in w])
+        entries = [(g, p, name) for g in self.param_groups for p, name in self._named(g)]
+        pieces = [locate(p, name) for _, p, name in entries]
+        codes = self._grad_codes(pieces)
+        world, group = self._world()
+        layouts = None
+        if world > 1:
+            flags = gather_step_flags(codes, self._config_hash(entries), self._layout_hash(entries, pieces),
+                                      group, self._comm_device(entries))
+            if (flags[:, 0] != flags[0, 0]).any():
+                self._raise_config_mismatch(entries, group)
+            codes = flags[:, 2:].amax(0).tolist()  # 2: non-finite on some rank, 1: a gradient somewhere
+            layouts = flags[:, 1].tolist()
+        has_grad = [c > 0 for c in codes]
+        bad = [i for i, c in enumerate(codes) if c == 2]
         if bad:
-            names = sorted(bad.values())
-            policies = {g["nonfinite"] for g, w in zip(self.param_groups, work) if any(p in bad for p, _ in w)}
-            if "raise" in policies:
+            names = [entries[i][2] for i in bad]
+            if any(entries[i][0]["nonfinite"] == "raise" for i in bad):
                 raise FloatingPointError(
                     f"SWAN: non-finite gradient in {names[:8]}{' ...' if len(names) > 8 else ''}; "
                     "no parameter was updated"
                 )
             self.nonfinite_skips.update(names)
             warnings.warn(f"SWAN: non-finite gradient, update skipped for {names[:8]}", RuntimeWarning)
-        for group, w in zip(self.param_groups, work):
-            ps = [p for p, _ in w if p not in bad]
-            if not ps:
-                continue
-            if group["use_swan"]:
-                self._swan_step(group, ps)
-            else:
-                getattr(self, f"_fallback_{group['fallback']}")(group, ps)
+        skip = set(bad) | {i for i, h in enumerate(has_grad) if not h}
+        for i, (g, p, _) in enumerate(entries):
+            if not g["use_swan"] and i not in skip and p.grad is not None:
+                getattr(self, f"_fallback_{g['fallback']}")(g, [p])
+        swan = [i for i, (g, _, _) in enumerate(entries) if g["use_swan"]]
+        if world > 1 and self._mode(world) != "local":
+            self._swan_distributed(entries, pieces, swan, skip, layouts, group)
+        else:
+            self._swan_local(entries, pieces, [i for i in swan if i not in skip and pieces[i].grad is not None])
         return loss
 
     @staticmethod
@@ -240,38 +268,115 @@ class SWAN(torch.optim.Optimizer):
         return list(zip(group["params"], names))
 
     @staticmethod
-    def _nonfinite(named: list[tuple[Tensor, str]]) -> dict[Tensor, str]:
-        """Parameters whose gradient holds NaN/Inf (one host sync for all of them)."""
-        if not named:
-            return {}
+    def _grad_codes(pieces: list[Piece]) -> list[int]:
+        """Per parameter: 0 no local gradient, 1 finite, 2 NaN/Inf (one host sync per device)."""
+        codes = [0 if pc.grad is None else 1 for pc in pieces]
         by_device: defaultdict = defaultdict(list)
-        for p, n in named:
-            by_device[p.grad.device].append((p, n))
-        bad = {}
-        for group in by_device.values():
-            flags = torch.stack([p.grad.isfinite().all() for p, _ in group]).tolist()
-            bad.update({p: n for (p, n), ok in zip(group, flags) if not ok})
-        return bad
+        for i, pc in enumerate(pieces):
+            if pc.grad is not None:
+                by_device[pc.grad.device].append(i)
+        for idx in by_device.values():
+            ok = torch.stack([pieces[i].grad.isfinite().all() for i in idx]).tolist()
+            for i, fine in zip(idx, ok):
+                codes[i] = 1 if fine else 2
+        return codes
 
-    def _swan_step(self, group: dict, params: list[Tensor]) -> None:
-        cfg = _whiten_config(group)
+    # ------------------------------------------------------------------ SWAN matrices
+    def _apply(self, group: dict, param: Tensor, update: Tensor) -> None:
         lr = float(group["lr"]) * float(group["alpha"])
         wd = float(group["weight_decay"])
-        by_shape: defaultdict = defaultdict(list)
-        for p in params:
-            if p.grad.is_sparse:
+        if wd:
+            param.mul_(1.0 - lr * wd)
+        param.add_(update.to(param.dtype), alpha=-lr)
+
+    def _swan_local(self, entries: list, pieces: list[Piece], todo: list[int]) -> None:
+        """Every matrix whole on this rank: whiten here, batched over same shape and config."""
+        batches: defaultdict = defaultdict(list)
+        for i in todo:
+            pc = pieces[i]
+            if not pc.whole:
+                raise ValueError(
+                    f"swan_dist: {entries[i][2]!r} is sharded on this rank; mode='local' needs whole "
+                    "matrices (use mode='owner' or 'replicated')"
+                )
+            if pc.grad.is_sparse:
                 raise RuntimeError("SWAN does not support sparse gradients")
-            by_shape[(tuple(p.shape), p.grad.dtype, p.device)].append(p)
-        for (shape, _, _), same in by_shape.items():
+            batches[(pc.shape, pc.grad.dtype, pc.grad.device, _whiten_config(entries[i][0]))].append(i)
+        for (shape, _, _, cfg), idx in batches.items():
             per = max(1, _MAX_BATCH_BYTES // max(1, 4 * torch.Size(shape).numel()))
-            for i in range(0, len(same), per):
-                chunk = same[i : i + per]
-                upd, _ = swan_update(torch.stack([p.grad for p in chunk]), cfg)
-                for p, u in zip(chunk, upd):
-                    if wd:
-                        p.mul_(1.0 - lr * wd)
-                    p.add_(u.to(p.dtype), alpha=-lr)
+            for k in range(0, len(idx), per):
+                chunk = idx[k : k + per]
+                upd, _ = swan_update(torch.stack([pieces[i].grad.view(shape) for i in chunk]), cfg)
+                for i, u in zip(chunk, upd):
+                    self._apply(entries[i][0], pieces[i].param, u.reshape(-1))
                 self.whitened_matrices += len(chunk) * max(1, torch.Size(shape[:-2]).numel())
+
+    def _swan_distributed(self, entries, pieces, swan, skip, layouts, group) -> None:
+        """Owner / replicated engine: whiten each matrix on its owner(s), updates back to the holders."""
+        if self._plan is None or self._plan_layouts != layouts:
+            specs = [MatrixSpec(entries[i][2], pieces[i].shape, _whiten_config(entries[i][0])) for i in swan]
+            ranges: list = [None] * dist.get_world_size(group)
+            dist.all_gather_object(ranges, [(pieces[i].lo, pieces[i].hi) for i in swan], group=group)
+            plan = build_plan(specs, ranges, self._mode(len(ranges)), int(self.bucket_mb * 2**20))
+            dtypes = [entries[i][1].dtype for i in swan]
+            self._plan = Exchange(plan, dist.get_rank(group), group, self._comm_device(entries), dtypes)
+            self._plan_layouts = layouts
+        local_skip = {m for m, i in enumerate(swan) if i in skip}
+
+        def on_update(m: int, u: Tensor) -> None:
+            i = swan[m]
+            self._apply(entries[i][0], pieces[i].param, u)
+
+        self.whitened_matrices += self._plan.run([pieces[i].grad for i in swan], local_skip, on_update)
+
+    # ------------------------------------------------------------------ distributed bookkeeping
+    def _world(self) -> tuple[int, dist.ProcessGroup | None]:
+        if not (dist.is_available() and dist.is_initialized()):
+            return 1, None
+        return dist.get_world_size(self.process_group), self.process_group
+
+    def _mode(self, world: int) -> str:
+        if self.mode == "auto":
+            return "owner" if world > 1 else "local"
+        return self.mode
+
+    def _comm_device(self, entries: list) -> torch.device:
+        if dist.get_backend(self.process_group) == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def _descriptors(self, entries: list) -> list[tuple]:
+        """What every rank must agree on, per parameter (name, shape, dtype, rule, hyper-parameters)."""
+        keys = [k for k in self.defaults if k not in ("lr",)] + ["lr", "use_swan"]
+        return [
+            (name, tuple(p.shape), str(p.dtype), tuple((k, repr(g[k])) for k in keys))
+            for g, p, name in entries
+        ] + [("<engine>", self.mode, self.bucket_mb)]
+
+    def _config_hash(self, entries: list) -> int:
+        return zlib.crc32(repr(self._descriptors(entries)).encode())
+
+    @staticmethod
+    def _layout_hash(entries: list, pieces: list[Piece]) -> int:
+        return zlib.crc32(repr([(pc.lo, pc.hi) for pc in pieces]).encode())
+
+    def _raise_config_mismatch(self, entries: list, group) -> None:
+        """Every rank calls this together (same gathered flags) and raises the same error."""
+        everyone: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(everyone, self._descriptors(entries), group=group)
+        ref = everyone[0]
+        for rank, desc in enumerate(everyone):
+            if len(desc) != len(ref):
+                raise ValueError(f"swan_dist: rank {rank} has {len(desc) - 1} parameters, rank 0 has {len(ref) - 1}")
+            for a, b in zip(ref, desc):
+                if a != b:
+                    diff = [k for (k, va), (_, vb) in zip(a[3], b[3]) if va != vb] if len(a) == 4 and len(b) == 4 else []
+                    what = f"key(s) {diff}" if diff else f"{a[1:3]} vs {b[1:3]}"
+                    raise ValueError(
+                        f"swan_dist: optimizer config differs between rank 0 and rank {rank} for parameter "
+                        f"{a[0]!r} vs {b[0]!r}: {what}"
+                    )
+        raise ValueError("swan_dist: optimizer config differs between ranks")
 
     def _fallback_adamw(self, group: dict, params: list[Tensor]) -> None:
         exp_avgs, exp_avg_sqs, steps = [], [], []

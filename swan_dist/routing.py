@@ -1,0 +1,358 @@
+"""Who whitens which matrix, and how its pieces move (knows ranks and ranges, not frameworks).
+
+The contract (docs/engine.md): for every managed matrix each rank holds one contiguous range
+``[lo, hi)`` of the row-major flattened full tensor (possibly empty, possibly all of it; ranks may
+hold the same elements, as under DDP or a replicate mesh dim). From every rank's ranges this module
+builds a :class:`Plan`, identical on all ranks:
+
+- owners: in ``owner`` mode one rank per matrix, chosen longest-processing-time-first on the
+  whitening cost model, balanced within each bucket; in ``replicated`` mode every rank computes
+  every matrix (the paper's "w/o MP");
+- buckets: consecutive matrices bounded in full-matrix fp32 bytes, so an owner's transient memory
+  is bounded; each bucket is one exchange in each direction;
+- sources: for each (matrix, computing rank) a disjoint cover of ``[0, numel)`` by ranges of the
+  holders, preferring what the computing rank already holds (nothing is sent for it).
+
+:class:`Exchange` runs a plan with ``all_to_all_single`` (uneven splits, contiguous buffers, as gloo
+requires), overlapping the forward exchange of bucket k+1 with the math of bucket k.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .functional import WhitenConfig, swan_update, whiten_flops
+
+__all__ = ["Piece", "MatrixSpec", "Plan", "Bucket", "build_plan", "cover", "Exchange", "Segment", "gather_step_flags"]
+
+Range = tuple[int, int]
+Segment = tuple[int, int, int]  # (matrix index, lo, hi)
+
+
+@dataclass
+class Piece:
+    """This rank's piece of one parameter: elements ``[lo, hi)`` of the flattened full tensor of
+    ``shape``, with flat views of the local parameter and gradient (``grad`` None if it has none)."""
+
+    shape: tuple[int, ...]
+    lo: int
+    hi: int
+    param: Tensor
+    grad: Tensor | None
+
+    @property
+    def whole(self) -> bool:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return self.lo == 0 and self.hi == n
+
+
+@dataclass(frozen=True)
+class MatrixSpec:
+    """What every rank must agree on about one managed matrix."""
+
+    key: str
+    shape: tuple[int, ...]  # full shape, >= 2-D; leading dims are a stack of matrices
+    cfg: WhitenConfig
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def cost(self) -> float:
+        stack = self.numel // max(1, self.shape[-2] * self.shape[-1]) if self.numel else 0
+        return stack * whiten_flops((self.shape[-2], self.shape[-1]), self.cfg)
+
+
+@dataclass
+class Bucket:
+    matrices: list[int]
+    owners: dict[int, int]  # matrix -> owner rank; -1 = every rank computes it (replicated)
+
+
+@dataclass
+class Plan:
+    specs: list[MatrixSpec]
+    ranges: list[list[Range]]  # ranges[rank][matrix]
+    buckets: list[Bucket]
+    mode: str
+
+    @property
+    def world(self) -> int:
+        return len(self.ranges)
+
+    def computes(self, rank: int, m: int, bucket: Bucket) -> bool:
+        o = bucket.owners[m]
+        return o == -1 or o == rank
+
+    def computers(self, m: int, bucket: Bucket) -> list[int]:
+        o = bucket.owners[m]
+        return list(range(self.world)) if o == -1 else [o]
+
+    def owner_costs(self) -> list[list[float]]:
+        """Per bucket, the whitening cost each rank carries."""
+        out = []
+        for b in self.buckets:
+            load = [0.0] * self.world
+            for m in b.matrices:
+                for c in self.computers(m, b):
+                    load[c] += self.specs[m].cost
+            out.append(load)
+        return out
+
+    def balance(self) -> float:
+        """Σ_buckets max(load) / Σ_buckets mean(load): 1.0 is perfect (a bucket ends at its slowest owner)."""
+        loads = self.owner_costs()
+        mx = sum(max(b) for b in loads)
+        mean = sum(sum(b) / len(b) for b in loads)
+        return mx / mean if mean else 1.0
+
+    # ---------------------------------------------------------------- per-rank schedules
+    def forward_segments(self, bucket: Bucket, src: int, dst: int) -> list[Segment]:
+        """Gradient segments ``src`` sends to ``dst`` in this bucket, in packing order."""
+        out = []
+        if src == dst:
+            return out
+        for m in bucket.matrices:
+            if self.computes(dst, m, bucket):
+                out += [(m, lo, hi) for r, lo, hi in cover([rg[m] for rg in self.ranges], dst, self.specs[m]) if r == src]
+        return out
+
+    def backward_segments(self, bucket: Bucket, src: int, dst: int) -> list[Segment]:
+        """Update segments the owner ``src`` sends to holder ``dst`` (which does not compute them)."""
+        out = []
+        if src == dst:
+            return out
+        for m in bucket.matrices:
+            if bucket.owners[m] == src and not self.computes(dst, m, bucket):
+                lo, hi = self.ranges[dst][m]
+                if hi > lo:
+                    out.append((m, lo, hi))
+        return out
+
+    def bytes_moved(self, elem_bytes: int = 4) -> int:
+        """Total bytes sent by all ranks in one step (both directions)."""
+        total = 0
+        for b in self.buckets:
+            for s in range(self.world):
+                for d in range(self.world):
+                    total += sum(hi - lo for _, lo, hi in self.forward_segments(b, s, d))
+                    total += sum(hi - lo for _, lo, hi in self.backward_segments(b, s, d))
+        return total * elem_bytes
+
+
+def cover(ranges: Sequence[Range], dst: int, spec: MatrixSpec) -> list[tuple[int, int, int]]:
+    """A disjoint cover of ``[0, numel)`` by ``(rank, lo, hi)`` pieces of the holders' ranges, taking
+    everything ``dst`` holds from ``dst`` itself and otherwise the holder whose range reaches
+    furthest (lowest rank on ties). Raises if some elements are held by no rank."""
+    n = spec.numel
+    own_lo, own_hi = ranges[dst]
+    out, pos = [], 0
+    while pos < n:
+        if own_lo <= pos < own_hi:
+            out.append((dst, pos, own_hi))
+            pos = own_hi
+            continue
+        best = max(
+            ((hi, -r) for r, (lo, hi) in enumerate(ranges) if lo <= pos < hi),
+            default=None,
+        )
+        if best is None:
+            raise ValueError(
+                f"swan_dist: no rank holds elements [{pos}, ...) of {spec.key!r} (shape {list(spec.shape)}); "
+                "the ranks' pieces must cover the whole matrix"
+            )
+        end = best[0] if not (pos < own_lo < best[0]) else own_lo
+        out.append((-best[1], pos, end))
+        pos = end
+    return out
+
+
+def build_plan(
+    specs: Sequence[MatrixSpec],
+    ranges: Sequence[Sequence[Range]],
+    mode: str = "owner",
+    bucket_bytes: int = 256 << 20,
+) -> Plan:
+    """Deterministic plan from the matrices and every rank's ranges (same input → same plan)."""
+    if mode not in ("owner", "replicated"):
+        raise ValueError(f"mode must be 'owner' or 'replicated', got {mode!r}")
+    world = len(ranges)
+    for r, rg in enumerate(ranges):
+        if len(rg) != len(specs):
+            raise ValueError(f"swan_dist: rank {r} reports {len(rg)} matrices, expected {len(specs)}")
+        for spec, (lo, hi) in zip(specs, rg):
+            if not 0 <= lo <= hi <= spec.numel:
+                raise ValueError(f"swan_dist: rank {r} holds invalid range [{lo}, {hi}) of {spec.key!r} ({spec.numel} elements)")
+    # A bucket holds up to `bucket_bytes` of full fp32 matrices per rank (world x that in all), so
+    # that balancing inside a bucket has ~world matrices' worth to spread and each owner's transient
+    # memory stays near `bucket_bytes`.
+    capacity = bucket_bytes * (world if mode == "owner" else 1)
+    buckets: list[Bucket] = []
+    current: list[int] = []
+    size = 0
+    for m, spec in enumerate(specs):
+        if current and size + 4 * spec.numel > capacity:
+            buckets.append(Bucket(current, {}))
+            current, size = [], 0
+        current.append(m)
+        size += 4 * spec.numel
+    if current:
+        buckets.append(Bucket(current, {}))
+    total = [0.0] * world
+    for b in buckets:
+        if mode == "replicated":
+            b.owners = {m: -1 for m in b.matrices}
+            continue
+        # LPT: most expensive first, to the least loaded rank in this bucket that still has room
+        # (then least loaded overall, then holding most of the matrix already, then lowest rank).
+        load = [0.0] * world
+        held_bytes = [0] * world
+        for m in sorted(b.matrices, key=lambda m: (-specs[m].cost, m)):
+            nbytes = 4 * specs[m].numel
+            fits = [r for r in range(world) if held_bytes[r] + nbytes <= bucket_bytes] or list(range(world))
+            r = min(fits, key=lambda r: (load[r], total[r], -(ranges[r][m][1] - ranges[r][m][0]), r))
+            b.owners[m] = r
+            load[r] += specs[m].cost
+            total[r] += specs[m].cost
+            held_bytes[r] += nbytes
+    for m, spec in enumerate(specs):
+        cover([rg[m] for rg in ranges], 0, spec)  # every matrix must be fully held by someone
+    return Plan(list(specs), [list(rg) for rg in ranges], buckets, mode)
+
+
+class Exchange:
+    """Runs a :class:`Plan` on this rank: gradients to owners, SWAN math, updates back.
+
+    ``grads[m]`` is this rank's flat gradient piece of matrix m (``hi - lo`` elements; ``None`` counts
+    as zeros), ``skip`` the matrices nobody computes this step (decided identically on every rank).
+    ``on_update(m, piece)`` receives this rank's flat piece of each computed update. Every rank
+    issues the same collectives in the same order whatever its data.
+    """
+
+    def __init__(self, plan: Plan, rank: int, group: dist.ProcessGroup | None, device: torch.device,
+                 dtypes: Sequence[torch.dtype]) -> None:
+        self.plan, self.rank, self.group, self.device = plan, rank, group, device
+        self.dtypes = list(dtypes)
+        w = plan.world
+        self._fwd = [([plan.forward_segments(b, rank, d) for d in range(w)],
+                      [plan.forward_segments(b, s, rank) for s in range(w)]) for b in plan.buckets]
+        self._bwd = [([plan.backward_segments(b, rank, d) for d in range(w)],
+                      [plan.backward_segments(b, s, rank) for s in range(w)]) for b in plan.buckets]
+
+    def _dtype(self, matrices: Sequence[int]) -> torch.dtype:
+        ds = {self.dtypes[m] for m in matrices}
+        return ds.pop() if len(ds) == 1 else torch.float32
+
+    def _start(self, send: list[list[Segment]], recv: list[list[Segment]], fetch: Callable[[int, int, int], Tensor],
+               dtype: torch.dtype):
+        """Pack ``send`` segments (``fetch(m, lo, hi)``) by destination and start the all_to_all."""
+        pieces = [fetch(m, lo, hi).to(dtype) for segs in send for m, lo, hi in segs]
+        inp = torch.cat(pieces) if pieces else torch.empty(0, dtype=dtype, device=self.device)
+        in_splits = [sum(hi - lo for _, lo, hi in segs) for segs in send]
+        out_splits = [sum(hi - lo for _, lo, hi in segs) for segs in recv]
+        out = torch.empty(sum(out_splits), dtype=dtype, device=self.device)
+        work = dist.all_to_all_single(out, inp.contiguous(), out_splits, in_splits, group=self.group, async_op=True)
+        return work, out
+
+    def run(self, grads: Sequence[Tensor | None], skip: set[int], on_update: Callable[[int, Tensor], None]) -> int:
+        """One step; returns the number of matrices this rank whitened."""
+        plan, me = self.plan, self.rank
+        my = plan.ranges[me]
+
+        def grad_piece(m: int, lo: int, hi: int) -> Tensor:
+            g = grads[m]
+            if g is None or m in skip:
+                return torch.zeros(hi - lo, dtype=self.dtypes[m], device=self.device)
+            return g[lo - my[m][0]: hi - my[m][0]]
+
+        def start_forward(k: int):
+            b = plan.buckets[k]
+            return self._start(*self._fwd[k], grad_piece, self._dtype(b.matrices))
+
+        whitened = 0
+        pending_fwd = start_forward(0) if plan.buckets else None
+        pending_bwd = None
+        for k, bucket in enumerate(plan.buckets):
+            work, recv = pending_fwd
+            pending_fwd = start_forward(k + 1) if k + 1 < len(plan.buckets) else None
+            work.wait()
+            full = self._assemble(k, bucket, recv, grad_piece)
+            updates = self._compute(full, skip)
+            whitened += len(updates)
+            for m, u in updates.items():
+                lo, hi = my[m]
+                if hi > lo:
+                    on_update(m, u[lo:hi])
+            send, recv_segs = self._bwd[k]
+            bwork, brecv = self._start(send, recv_segs, lambda m, lo, hi: updates[m][lo:hi]
+                                       if m in updates else torch.zeros(hi - lo, device=self.device),
+                                       self._dtype(bucket.matrices))
+            if pending_bwd is not None:
+                self._finish_backward(*pending_bwd, skip, on_update)
+            pending_bwd = (bwork, brecv, recv_segs)
+        if pending_bwd is not None:
+            self._finish_backward(*pending_bwd, skip, on_update)
+        return whitened
+
+    def _assemble(self, k: int, bucket: Bucket, recv: Tensor, grad_piece) -> dict[int, Tensor]:
+        """Full flat gradients of the matrices this rank computes in bucket k."""
+        plan, me = self.plan, self.rank
+        full = {m: torch.empty(plan.specs[m].numel, dtype=torch.float32, device=self.device)
+                for m in bucket.matrices if plan.computes(me, m, bucket)}
+        for m, buf in full.items():
+            for r, lo, hi in cover([rg[m] for rg in plan.ranges], me, plan.specs[m]):
+                if r == me:
+                    buf[lo:hi] = grad_piece(m, lo, hi)
+        offset = 0
+        for segs in self._fwd[k][1]:
+            for m, lo, hi in segs:
+                full[m][lo:hi] = recv[offset: offset + hi - lo]
+                offset += hi - lo
+        return full
+
+    def _compute(self, full: dict[int, Tensor], skip: set[int]) -> dict[int, Tensor]:
+        """SWAN directions for the assembled matrices, batched over same (shape, config)."""
+        groups: dict[tuple, list[int]] = {}
+        for m in full:
+            if m not in skip:
+                spec = self.plan.specs[m]
+                groups.setdefault((spec.shape, spec.cfg), []).append(m)
+        out: dict[int, Tensor] = {}
+        for (shape, cfg), ms in groups.items():
+            upd, _ = swan_update(torch.stack([full[m].view(shape) for m in ms]), cfg)
+            for m, u in zip(ms, upd):
+                out[m] = u.reshape(-1)
+        return out
+
+    def _finish_backward(self, work, recv: Tensor, recv_segs: list[list[Segment]], skip: set[int],
+                         on_update: Callable[[int, Tensor], None]) -> None:
+        work.wait()
+        offset = 0
+        for segs in recv_segs:
+            for m, lo, hi in segs:
+                if m not in skip:
+                    on_update(m, recv[offset: offset + hi - lo])
+                offset += hi - lo
+
+
+def gather_step_flags(
+    codes: Sequence[int], config_hash: int, layout_hash: int, group: dist.ProcessGroup | None, device: torch.device
+) -> Tensor:
+    """One small all_gather per step: every rank's ``[config_hash, layout_hash, *codes]`` as a
+    ``(world, 2 + len(codes))`` int64 tensor, so that every rank takes the same decisions (skip,
+    raise, rebuild the plan) from the same data."""
+    t = torch.tensor([config_hash, layout_hash, *codes], dtype=torch.int64, device=device)
+    out = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(out, t, group=group)
+    return torch.stack(out).cpu()

@@ -1,0 +1,75 @@
+"""Run a function on N real processes with torch.distributed (gloo on loopback), with a timeout.
+
+``run_distributed(fn, world_size, *args)`` spawns ``world_size`` processes, each calling
+``fn(rank, world_size, *args)`` inside an initialised gloo process group, and returns the list of
+their return values (pickled through files). An exception in any rank is re-raised with its rank;
+a rank still running at the deadline fails the test instead of hanging it.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import tempfile
+import traceback
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world: int, port: int, out_dir: str, fn, args) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    import torch
+
+    torch.set_num_threads(1)
+    result: tuple
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        result = ("ok", fn(rank, world, *args))
+    except BaseException as e:  # noqa: BLE001 - reported to the parent with the rank
+        result = ("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}", type(e).__name__, str(e))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    with open(os.path.join(out_dir, f"{rank}.pkl"), "wb") as f:
+        pickle.dump(result, f)
+
+
+class RankError(RuntimeError):
+    def __init__(self, results):
+        self.results = results
+        msgs = [f"rank {r}: {res[1]}" for r, res in enumerate(results) if res and res[0] == "error"]
+        super().__init__("\n".join(msgs))
+
+
+def run_distributed(fn, world_size: int, *args, timeout: float = 180.0, raw: bool = False):
+    """Results per rank; with ``raw=True`` the (status, value...) tuples, errors included."""
+    with tempfile.TemporaryDirectory() as out_dir:
+        ctx = mp.start_processes(_entry, args=(world_size, _free_port(), out_dir, fn, args), nprocs=world_size,
+                                 join=False, start_method="spawn")
+        import time
+
+        deadline = time.monotonic() + timeout
+        while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
+            if time.monotonic() >= deadline:
+                for p in ctx.processes:
+                    if p.is_alive():
+                        p.kill()
+                raise TimeoutError(f"distributed test did not finish within {timeout}s (hang?)")
+        results = []
+        for r in range(world_size):
+            path = os.path.join(out_dir, f"{r}.pkl")
+            results.append(pickle.load(open(path, "rb")) if os.path.exists(path) else None)
+    if raw:
+        return results
+    if any(res is None or res[0] == "error" for res in results):
+        raise RankError(results)
+    return [res[1] for res in results]
