@@ -219,6 +219,16 @@ class SWAN(torch.optim.Optimizer):
         ]
         return "\n".join(head + body)
 
+    def state_dict(self) -> dict[str, Any]:
+        """torch's state dict, plus an empty entry for every parameter without state (SWAN matrices,
+        stateless fallbacks): zero bytes, but ``torch.distributed.checkpoint.set_state_dict`` in strict
+        mode requires an entry for every trainable parameter."""
+        sd = super().state_dict()
+        for g in sd["param_groups"]:
+            for i in g["params"]:
+                sd["state"].setdefault(i, {})
+        return sd
+
     # ------------------------------------------------------------------ step
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
@@ -347,9 +357,9 @@ class SWAN(torch.optim.Optimizer):
 
     def _descriptors(self, entries: list) -> list[tuple]:
         """What every rank must agree on, per parameter (name, shape, dtype, rule, hyper-parameters)."""
-        keys = [k for k in self.defaults if k not in ("lr",)] + ["lr", "use_swan"]
+        keys = sorted(OPTIMIZER_KEYS) + ["use_swan"]
         return [
-            (name, tuple(p.shape), str(p.dtype), tuple((k, repr(g[k])) for k in keys))
+            (name, tuple(p.shape), str(p.dtype), tuple((k, repr(g.get(k))) for k in keys))
             for g, p, name in entries
         ] + [("<engine>", self.mode, self.bucket_mb)]
 

@@ -1,0 +1,239 @@
+"""SWAN on real multi-process gloo with DDP and FSDP2: equal to single-process SWAN on the same global
+gradients, same collective path on every rank for bad input and misconfiguration, and
+torch.distributed.checkpoint round trips across world sizes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dist_utils import run_distributed
+from swan_dist import SWAN
+
+pytestmark = pytest.mark.timeout(300)
+
+
+class Net(nn.Module):
+    """Rows not divisible by 2, 3 or 4; a 2-row matrix (smaller than the world); untied head."""
+
+    def __init__(self):
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(11, 6)
+        self.up = nn.Linear(6, 10)
+        self.down = nn.Linear(10, 7, bias=False)
+        self.narrow = nn.Linear(7, 2)
+        self.mid = nn.Linear(2, 9, bias=False)
+        self.output = nn.Linear(9, 11, bias=False)
+
+    def forward(self, x):
+        h = self.tok_embeddings(x)
+        h = torch.tanh(self.down(torch.relu(self.up(h))))
+        return self.output(self.mid(self.narrow(h)))
+
+
+def _global_grads(model: nn.Module, step: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    return {n: torch.randn(p.shape, generator=g) for n, p in model.named_parameters()}
+
+
+def _reference(step_grads, opts, steps, start_state=None):
+    """Single-process SWAN on the same global gradients."""
+    torch.manual_seed(0)
+    ref = Net()
+    if start_state is not None:
+        ref.load_state_dict(start_state)
+    opt = SWAN(ref, verbose=False, **opts)
+    for t in steps:
+        grads = step_grads(ref, t)
+        for n, p in ref.named_parameters():
+            p.grad = grads[n]
+        opt.step()
+    return ref
+
+
+def _shard_fsdp2(model: nn.Module, world: int):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    for m in (model.up, model.down, model.narrow, model.mid, model.output):
+        fully_shard(m, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return mesh
+
+
+def _set_grads(model: nn.Module, grads: dict[str, torch.Tensor]) -> None:
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    for n, p in model.named_parameters():
+        if isinstance(p, DTensor):
+            p.grad = distribute_tensor(grads[n], p.device_mesh, p.placements)
+        else:
+            p.grad = grads[n].clone()
+
+
+def _full(model: nn.Module) -> dict[str, torch.Tensor]:
+    from torch.distributed.tensor import DTensor
+
+    return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in model.named_parameters()}
+
+
+OPTS = [dict(preset="swan_ddagger", lr=0.05), dict(preset="swan_dagger", lr=0.05, weight_decay=0.1, ns_steps=4)]
+
+
+def _fsdp2_worker(rank, world, mode):
+    out = []
+    for opts in OPTS:
+        torch.manual_seed(0)
+        model = Net()
+        _shard_fsdp2(model, world)
+        opt = SWAN(model, verbose=rank == 0, mode=mode, bucket_mb=0.0001, **opts)
+        for t in range(3):
+            _set_grads(model, _global_grads(model, t))
+            opt.step()
+        ref = _reference(_global_grads, opts, range(3))
+        got = _full(model)
+        err = max((got[n] - p.detach()).abs().max().item() for n, p in ref.named_parameters())
+        plan = None if opt._plan is None else [b.owners for b in opt._plan.plan.buckets]
+        out.append((err, plan, opt.whitened_matrices))
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_fsdp2_equals_single_process(world):
+    """NSDS and NS (with weight decay) presets; uneven and empty shards; several buckets."""
+    res = run_distributed(_fsdp2_worker, world, "auto")
+    for c in range(len(OPTS)):
+        per_rank = [r[c] for r in res]
+        assert max(r[0] for r in per_rank) < 2e-5, per_rank
+        assert all(r[1] == per_rank[0][1] for r in per_rank)  # the same plan on every rank
+        assert sum(r[2] for r in per_rank) == 3 * 4  # each of the 4 matrices whitened once per step
+        if world > 1:
+            assert len(per_rank[0][1]) > 1  # several buckets
+
+
+def test_fsdp2_replicated_mode_equals_owner_mode():
+    res = run_distributed(_fsdp2_worker, 3, "replicated")
+    for c in range(len(OPTS)):
+        assert max(r[c][0] for r in res) < 2e-5
+        assert sum(r[c][2] for r in res) == 3 * 3 * 4  # every rank whitens every matrix
+
+
+def _ddp_worker(rank, world, mode):
+    torch.manual_seed(0)
+    model = nn.parallel.DistributedDataParallel(Net())
+    opt = SWAN(model.module, verbose=False, mode=mode, preset="swan_ddagger", lr=0.05)
+    for t in range(3):
+        _set_grads(model.module, _global_grads(model.module, t))
+        opt.step()
+    ref = _reference(_global_grads, dict(preset="swan_ddagger", lr=0.05), range(3))
+    err = max((p.detach() - q.detach()).abs().max().item() for p, q in zip(model.module.parameters(), ref.parameters()))
+    return err, opt.whitened_matrices
+
+
+@pytest.mark.parametrize("mode", ["owner", "replicated", "local"])
+def test_ddp_modes_equal_single_process(mode):
+    res = run_distributed(_ddp_worker, 2, mode)
+    assert max(r[0] for r in res) < 2e-5, res
+    assert sum(r[1] for r in res) == (3 * 4 if mode == "owner" else 2 * 3 * 4)
+
+
+def _mismatch_worker(rank, world):
+    torch.manual_seed(0)
+    model = Net()
+    _shard_fsdp2(model, world)
+    opt = SWAN(model, verbose=False, beta=0.5 if rank == 1 else 0.4)
+    _set_grads(model, _global_grads(model, 0))
+    opt.step()
+
+
+def test_mismatched_config_raises_on_every_rank():
+    res = run_distributed(_mismatch_worker, 3, raw=True)
+    assert all(r[0] == "error" and r[2] == "ValueError" for r in res), res
+    assert all("'beta'" in r[3] and "rank 1" in r[3] for r in res), res[0][3]
+
+
+def _bad_input_worker(rank, world):
+    torch.manual_seed(0)
+    model = Net()
+    _shard_fsdp2(model, world)
+    opt = SWAN(model, verbose=False, preset="swan_ddagger", lr=0.05)
+    before = _full(model)
+    grads = _global_grads(model, 0)
+    grads["up.weight"][9, 0] = float("nan")  # the last row lives on the last rank only
+    grads["down.weight"].zero_()
+    _set_grads(model, grads)
+    model.mid.weight.grad = None  # no gradient on any rank: not updated
+    if rank == 0:
+        model.narrow.weight.grad = None  # a missing local piece counts as zeros
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt.step()
+    after = _full(model)
+    ref_grads = dict(grads)
+    ref_grads["narrow.weight"] = grads["narrow.weight"].clone()
+    ref_grads["narrow.weight"][: -(-2 // world)] = 0  # rank 0's rows
+    ref = _reference(lambda m, t: {n: g for n, g in ref_grads.items()}, dict(preset="swan_ddagger", lr=0.05), [0])
+    with torch.no_grad():
+        ref.mid.weight.copy_(before["mid.weight"])  # the reference had a gradient there
+    return {
+        "up_unchanged": torch.equal(after["up.weight"], before["up.weight"]),
+        "down_unchanged": torch.equal(after["down.weight"], before["down.weight"]),
+        "mid_unchanged": torch.equal(after["mid.weight"], before["mid.weight"]),
+        "narrow_err": (after["narrow.weight"] - ref.narrow.weight.detach()).abs().max().item(),
+        "finite": all(torch.isfinite(v).all().item() for v in after.values()),
+        "warned": any("up.weight" in str(w.message) for w in caught),
+        "skips": dict(opt.nonfinite_skips),
+    }
+
+
+def test_nan_zero_and_missing_grads_take_the_same_path_on_every_rank():
+    res = run_distributed(_bad_input_worker, 3)
+    for r in res:
+        assert r["up_unchanged"] and r["down_unchanged"] and r["mid_unchanged"] and r["finite"], r
+        assert r["narrow_err"] < 2e-5 and r["warned"] and r["skips"] == {"up.weight": 1}, r
+
+
+def _dcp_worker(rank, world, ckpt, phase):
+    """phase 'save': steps 0-1, save, steps 2-3. phase 'load': load, steps 2-3."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    torch.manual_seed(0)
+    model = Net()
+    _shard_fsdp2(model, world)
+    opt = SWAN(model, verbose=False, preset="swan_ddagger", lr=0.05)
+    steps = range(2, 4)
+    if phase == "save":
+        for t in range(2):
+            _set_grads(model, _global_grads(model, t))
+            opt.step()
+        msd, osd = get_state_dict(model, opt)
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=ckpt)
+        swan = ("up.weight", "down.weight", "narrow.weight", "mid.weight")
+        swan_state = {k: v for k, v in osd["state"].items() if k in swan}
+    else:
+        msd, osd = get_state_dict(model, opt)
+        state = {"model": msd, "optim": osd}
+        dcp.load(state, checkpoint_id=ckpt)
+        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        swan_state = None
+    for t in steps:
+        _set_grads(model, _global_grads(model, t))
+        opt.step()
+    return _full(model), swan_state
+
+
+def test_dcp_checkpoint_saved_at_2_resumes_identically_at_1_and_4(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    saved = run_distributed(_dcp_worker, 2, ckpt, "save")
+    final, swan_state = saved[0]
+    assert swan_state == {k: {} for k in ("up.weight", "down.weight", "narrow.weight", "mid.weight")}  # empty
+    for world in (1, 4):
+        resumed = run_distributed(_dcp_worker, world, ckpt, "load")
+        for n, v in final.items():
+            assert torch.allclose(resumed[0][0][n], v, atol=2e-6), (world, n)
