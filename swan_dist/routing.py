@@ -244,6 +244,7 @@ class Exchange:
                  dtypes: Sequence[torch.dtype]) -> None:
         self.plan, self.rank, self.group, self.device = plan, rank, group, device
         self.dtypes = list(dtypes)
+        self.bytes_sent = 0  # by this rank, both directions, since construction
         w = plan.world
         self._fwd = [([plan.forward_segments(b, rank, d) for d in range(w)],
                       [plan.forward_segments(b, s, rank) for s in range(w)]) for b in plan.buckets]
@@ -262,6 +263,7 @@ class Exchange:
         in_splits = [sum(hi - lo for _, lo, hi in segs) for segs in send]
         out_splits = [sum(hi - lo for _, lo, hi in segs) for segs in recv]
         out = torch.empty(sum(out_splits), dtype=dtype, device=self.device)
+        self.bytes_sent += inp.numel() * inp.element_size()
         work = dist.all_to_all_single(out, inp.contiguous(), out_splits, in_splits, group=self.group, async_op=True)
         return work, out
 

@@ -1,0 +1,190 @@
+"""The owner-rank engine, measured side by side in one run.
+
+1. Optimizer step time at world size W (default 2, gloo on CPU / NCCL on GPU) on the reference
+   model, FSDP2-sharded and DDP-replicated: SWAN owner mode vs replicated mode vs torch AdamW.
+2. Bytes this run's exchange actually sent per step vs the minimum 2·(W−1)/W·bytes(matrices) for
+   sharded gradients (under DDP every rank needs every update: (W−1)·bytes(matrices) at least).
+3. Planner balance (Σ max / Σ mean owner cost over buckets) for the matrix shapes of LLaMA 130M,
+   350M, 1.3B and 7B at W = 8, 64, 512 (computed, no processes).
+Writes sections of docs/benchmarks.md.
+
+    python benchmarks/engine.py --world 2 --size small --steps 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from swan_dist.functional import WhitenConfig
+from swan_dist.routing import MatrixSpec, build_plan
+
+from _report import write_section  # noqa: E402 (benchmarks/ is the script's folder)
+
+# (dim, ffn, layers) of the GaLore/SWAN LLaMA configurations.
+LLAMA = {"130M": (768, 2048, 12), "350M": (1024, 2736, 24), "1.3B": (2048, 5461, 24), "7B": (4096, 11008, 32)}
+PRESETS = {"SWAN‡ (NSDS)": WhitenConfig(), "SWAN† (NS 10)": WhitenConfig(method="ns", steps=10, beta=0.8)}
+
+
+def llama_specs(name: str, cfg: WhitenConfig) -> list[MatrixSpec]:
+    dim, ffn, layers = LLAMA[name]
+    shapes = [(dim, dim)] * 4 + [(ffn, dim), (dim, ffn), (ffn, dim)]
+    return [MatrixSpec(f"l{i}.{j}", s, cfg) for i in range(layers) for j, s in enumerate(shapes)]
+
+
+def planner_table(bucket_mb: float) -> str:
+    lines = [
+        f"Σ over buckets of the slowest owner's cost / Σ of the mean (1.00 = perfect), row-sharded ranges, "
+        f"bucket_mb={bucket_mb:g} per owner.",
+        "",
+        "| model | matrices | whitening | W=8 | W=64 | W=512 |",
+        "|---|---:|---|---:|---:|---:|",
+    ]
+    for name in LLAMA:
+        for label, cfg in PRESETS.items():
+            specs = llama_specs(name, cfg)
+            cells = []
+            for world in (8, 64, 512):
+                ranges = [[(0, 0)] * len(specs) for _ in range(world)]
+                for m, s in enumerate(specs):  # torch.chunk row shards
+                    per = -(-s.shape[0] // world)
+                    for r in range(world):
+                        lo, hi = min(r * per, s.shape[0]), min((r + 1) * per, s.shape[0])
+                        ranges[r][m] = (lo * s.shape[1], hi * s.shape[1])
+                cells.append(f"{build_plan(specs, ranges, bucket_bytes=int(bucket_mb * 2**20)).balance():.2f}")
+            lines.append(f"| LLaMA {name} | {len(specs)} | {label} | " + " | ".join(cells) + " |")
+    lines += ["", "With fewer matrices than ranks (W=512) the bound is W / #matrices per bucket; "
+              "the table shows what LPT reaches, not a target."]
+    return "\n".join(lines)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, size: str, steps: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(rank)
+    else:
+        torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
+    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+
+    import swan_dist
+    from swan_dist.reference.model import Llama, model_config
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    results = []
+    for layout in ("fsdp2", "ddp"):
+        for name in ("adamw", "owner", "replicated", "owner-ns", "replicated-ns"):
+            torch.manual_seed(0)
+            model = Llama(model_config(size, vocab_size=8192)).to(device)
+            swan_dist.tag_model(model)
+            if layout == "fsdp2":
+                mesh = init_device_mesh(device.type, (world,))
+                for blk in model.layers:
+                    fully_shard(blk, mesh=mesh)
+                fully_shard(model, mesh=mesh)
+            for p in model.parameters():
+                p.grad = torch.randn_like(p) * 1e-3
+            if name == "adamw":
+                opt = torch.optim.AdamW(model.parameters(), lr=0.0)
+            else:
+                mode, _, ns = name.partition("-")
+                opt = swan_dist.SWAN(model, preset="swan_dagger" if ns else "swan_ddagger", lr=0.0, mode=mode,
+                                     verbose=False)
+            opt.step()  # warm-up: plan, state
+            sent0 = opt._plan.bytes_sent if getattr(opt, "_plan", None) else 0
+            times = []
+            for _ in range(steps):
+                dist.barrier()
+                sync()
+                t0 = time.perf_counter()
+                opt.step()
+                sync()
+                times.append(time.perf_counter() - t0)
+            sent = ((opt._plan.bytes_sent - sent0) / steps) if getattr(opt, "_plan", None) else 0
+            tot = torch.tensor([sent], dtype=torch.float64, device=device)
+            dist.all_reduce(tot)
+            swan_bytes = sum(
+                4 * p.numel() for g in getattr(opt, "param_groups", []) if g.get("use_swan") for p in g["params"]
+            )
+            tmax = torch.tensor([statistics.median(times)], dtype=torch.float64, device=device)
+            dist.all_reduce(tmax, op=dist.ReduceOp.MAX)
+            results.append((layout, name, tmax.item(), tot.item(), swan_bytes))
+            del opt, model
+    if rank == 0:
+        torch.save(results, out)
+    dist.destroy_process_group()
+
+
+def step_table(world: int, size: str, steps: int) -> str:
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "res.pt")
+        mp.start_processes(_worker, args=(world, _free_port(), size, steps, out), nprocs=world, start_method="spawn")
+        results = torch.load(out)
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"CPU, {world} processes of {max(1, (os.cpu_count() or 2) // world)} thread(s)"
+    lines = [
+        f"Reference model `{size}`, W={world}, {device}, torch {torch.__version__}; optimizer.step() only, "
+        f"slowest rank's median over {steps} steps on fixed gradients. owner/replicated: SWAN‡ (NSDS); "
+        "-ns: SWAN† (NS, 10 steps).",
+        "",
+        "| layout | optimizer | step (ms) | vs AdamW | bytes sent / step (all ranks) | minimum | sent / minimum |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for layout in ("fsdp2", "ddp"):
+        rows = [r for r in results if r[0] == layout]
+        t_adam = next(r[2] for r in rows if r[1] == "adamw")
+        for _, name, t, sent, swan_bytes in rows:
+            if name == "adamw":
+                lines.append(f"| {layout} | adamw | {t * 1e3:.1f} | 1.00x | - | - | - |")
+                continue
+            factor = {("fsdp2", "owner"): 2 * (world - 1) / world, ("fsdp2", "replicated"): world - 1,
+                      ("ddp", "owner"): world - 1, ("ddp", "replicated"): 0}[(layout, name.split("-")[0])]
+            minimum = factor * swan_bytes
+            ratio = f"{sent / minimum:.2f}" if minimum else "-"
+            lines.append(f"| {layout} | {name} | {t * 1e3:.1f} | {t / t_adam:.2f}x | {sent / 2**20:.1f} MiB | "
+                         f"{minimum / 2**20:.1f} MiB | {ratio} |")
+    lines += [
+        "",
+        "Minimum: owner mode on sharded gradients 2·(W−1)/W·bytes(matrices) (gather to the owner, scatter "
+        "back); owner mode on replicated (DDP) gradients (W−1)·bytes (every rank needs every update); "
+        "replicated mode on shards: every rank gathers every matrix, (W−1)·bytes; on DDP nothing moves.",
+    ]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--size", default="small")
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--bucket-mb", type=float, default=256.0)
+    ap.add_argument("--no-write", action="store_true")
+    args = ap.parse_args()
+    plan_text = planner_table(args.bucket_mb)
+    print(plan_text)
+    step_text = step_table(args.world, args.size, args.steps)
+    print(step_text)
+    if not args.no_write:
+        write_section("engine-planner", "Owner engine: planner balance", plan_text)
+        kind = "cuda" if torch.cuda.is_available() else "cpu"
+        write_section(f"engine-step-{kind}", f"Owner engine: step time and bytes at W={args.world}", step_text)
+
+
+if __name__ == "__main__":
+    main()
