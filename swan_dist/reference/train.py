@@ -1,0 +1,443 @@
+"""Reference trainer: a LLaMA-style model on real text with SWAN or AdamW.
+
+    python -m swan_dist.reference.train --config configs/train/main.yaml [--set key=value ...]
+    torchrun --nproc_per_node 2 -m swan_dist.reference.train --config configs/train/main.yaml
+
+The pieces (:func:`build_model`, :func:`build_optimizer`, :func:`build_scheduler`,
+:func:`wrap_model`) are separate so that other parallel strategies can reuse them;
+a new strategy is one more entry in :data:`PARALLEL`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import time
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import yaml
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from tqdm import tqdm
+
+from .data import TextData, WindowSampler, build_data, eval_batches
+from .model import Llama, model_config
+
+# --------------------------------------------------------------------------- configuration
+
+
+@dataclass
+class TrainConfig:
+    model: dict[str, Any] = field(default_factory=lambda: {"size": "tiny"})  # size + LlamaConfig overrides
+    data: str | list[str] = "wiki"  # built-in corpus name, or text files / globs / directories
+    vocab_size: int = 8192
+    val_fraction: float = 0.02
+    seq_len: int = 128
+    batch_size: int = 16  # sequences per rank and micro-step
+    grad_accum: int = 1
+    steps: int = 250
+    optimizer: str = "swan"  # swan | adamw
+    preset: str = "swan_ddagger"  # SWAN preset (swan_0, swan_dagger, swan_ddagger)
+    lr: float | None = None  # None: the preset's lr (swan) or 1e-3 (adamw)
+    weight_decay: float = 0.0
+    fallback: str = "adamw"  # optimizer for parameters SWAN does not handle
+    warmup_ratio: float | None = None  # None: the preset's schedule (swan) or 0.1 (adamw)
+    min_lr_ratio: float | None = None  # cosine decays to min_lr_ratio * lr; None as above
+    grad_clip: float = 1.0  # max global grad norm; 0 disables
+    eval_every: int = 50
+    eval_batches: int = 8  # the validation set is eval_batches * batch_size fixed windows
+    log_every: int = 10
+    out_dir: str = "runs/default"
+    save_model: bool = True  # rank 0 writes out_dir/model.pt (state dict of the unwrapped model)
+    seed: int = 0
+    parallel: str = "none"  # none | ddp
+    backend: str = "auto"  # auto | gloo | nccl
+    device: str = "auto"  # auto | cpu | cuda
+    dtype: str = "float32"  # float32 | bfloat16 (autocast)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.model, str):
+            self.model = {"size": self.model}
+        if "vocab_size" in self.model:
+            raise ValueError("model.vocab_size comes from the tokenizer; set the top-level vocab_size instead")
+        overrides = {k: v for k, v in self.model.items() if k != "size"}
+        model_config(self.model.get("size", "tiny"), **overrides)  # validates size and option names
+        for name in ("val_fraction", "lr", "weight_decay", "warmup_ratio", "min_lr_ratio", "grad_clip"):
+            value = getattr(self, name)
+            if value is not None:  # YAML reads "1e-3" (no dot) as a string
+                setattr(self, name, float(value))
+        choices = {
+            "optimizer": ("swan", "adamw"), "parallel": tuple(PARALLEL), "backend": ("auto", "gloo", "nccl"),
+            "device": ("auto", "cpu", "cuda"), "dtype": ("float32", "bfloat16"),
+        }  # fmt: skip
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"config {name}={getattr(self, name)!r}; choose from {list(allowed)}")
+        for name in ("steps", "batch_size", "grad_accum", "seq_len", "eval_every", "eval_batches", "log_every"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"config {name} must be >= 1")
+
+
+def _set_key(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    *parents, leaf = dotted.split(".")
+    for key in parents:
+        node = tree.setdefault(key, {})
+        if isinstance(node, str) and key == "model":  # `model: tiny` shorthand
+            node = tree[key] = {"size": node}
+        if not isinstance(node, dict):
+            raise ValueError(f"cannot set {dotted!r}: {key!r} is not a section")
+        tree = node
+    tree[leaf] = value
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] = ()) -> TrainConfig:
+    """Read a YAML config and apply ``key=value`` overrides (values parsed as YAML, keys may be dotted)."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        raw = yaml.safe_load(Path(path).read_text()) or {}
+        if not isinstance(raw, dict):
+            raise ValueError(f"{path}: expected a mapping of config keys")
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"override {item!r} is not of the form key=value")
+        _set_key(raw, key.strip(), yaml.safe_load(value))
+    known = {f.name for f in dataclasses.fields(TrainConfig)}
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise ValueError(f"unknown config key(s) {unknown}{f' in {path}' if path else ''}; valid keys: {sorted(known)}")
+    return TrainConfig(**raw)
+
+
+# --------------------------------------------------------------------------- distributed setup
+
+
+@dataclass
+class DistEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    owns_process_group: bool  # we initialised it, so we destroy it
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def setup_distributed(cfg: TrainConfig) -> DistEnv:
+    """Read the torchrun environment, pick the device and threads, and start the process group."""
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if world > 1 and cfg.parallel == "none":
+        raise ValueError(f"WORLD_SIZE={world} needs a parallel strategy; set parallel: ddp")
+    use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+    if use_cuda:
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+        if "OMP_NUM_THREADS" not in os.environ:  # share the cores between local ranks (torchrun sets 1)
+            local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+            torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // local_world))
+    owns = False
+    if cfg.parallel != "none" and not dist.is_initialized():
+        backend = cfg.backend if cfg.backend != "auto" else ("nccl" if use_cuda else "gloo")
+        if "MASTER_ADDR" in os.environ:
+            dist.init_process_group(backend, rank=rank, world_size=world)
+        else:  # plain `python -m ...` with parallel: ddp: a one-process group
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        owns = True
+    return DistEnv(rank, world, local_rank, device, owns)
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    if dist.is_initialized():
+        dist.all_reduce(t)
+    return t
+
+
+# --------------------------------------------------------------------------- building blocks
+
+
+def build_model(cfg: TrainConfig, vocab_size: int) -> Llama:
+    overrides = {k: v for k, v in cfg.model.items() if k != "size"}
+    overrides.setdefault("max_seq_len", cfg.seq_len)
+    return Llama(model_config(cfg.model.get("size", "tiny"), vocab_size=vocab_size, **overrides))
+
+
+def build_optimizer(cfg: TrainConfig, model: nn.Module) -> torch.optim.Optimizer:
+    """SWAN (parameter groups classified by swan_dist) or AdamW; ``model`` must be the unwrapped module."""
+    if cfg.optimizer == "swan":
+        import swan_dist
+
+        groups = swan_dist.param_groups(model, fallback=cfg.fallback)
+        return swan_dist.SWAN(groups, preset=cfg.preset, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    decay = [p for n, p in params if p.ndim >= 2 and not n.startswith("tok_embeddings")]
+    no_decay = [p for n, p in params if not (p.ndim >= 2 and not n.startswith("tok_embeddings"))]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=cfg.lr if cfg.lr is not None else 1e-3, betas=(0.9, 0.95))
+
+
+def schedule_ratios(cfg: TrainConfig) -> tuple[float, float]:
+    """(warmup_ratio, min_lr_ratio): the config's, else the SWAN preset's schedule, else (0.1, 0.1)."""
+    defaults = {"warmup_ratio": 0.1, "min_lr_ratio": 0.1}
+    if cfg.optimizer == "swan":
+        import swan_dist
+
+        defaults.update(swan_dist.load_preset(cfg.preset).get("schedule", {}))
+    warmup = cfg.warmup_ratio if cfg.warmup_ratio is not None else defaults["warmup_ratio"]
+    min_ratio = cfg.min_lr_ratio if cfg.min_lr_ratio is not None else defaults["min_lr_ratio"]
+    return float(warmup), float(min_ratio)
+
+
+def build_scheduler(cfg: TrainConfig, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
+    """Linear warm-up over warmup_ratio * steps, then cosine decay to min_lr_ratio; scales every group."""
+    warmup_ratio, min_ratio = schedule_ratios(cfg)
+    warmup = int(warmup_ratio * cfg.steps)
+
+    def factor(step: int) -> float:  # step = optimizer steps taken so far
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, cfg.steps - warmup))
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def _ddp(model: nn.Module, env: DistEnv) -> nn.Module:
+    device_ids = [env.device.index] if env.device.type == "cuda" else None
+    return DistributedDataParallel(model, device_ids=device_ids, forward_sync_buffers=False)  # buffers are constants
+
+
+# parallel strategy -> wrapper(model, env); FSDP2 / FSDP1 / DeepSpeed plug in here.
+PARALLEL: dict[str, Callable[[nn.Module, DistEnv], nn.Module]] = {"none": lambda model, env: model, "ddp": _ddp}
+
+
+def wrap_model(model: nn.Module, cfg: TrainConfig, env: DistEnv) -> nn.Module:
+    return PARALLEL[cfg.parallel](model, env)
+
+
+def _autocast(cfg: TrainConfig, env: DistEnv):
+    return torch.autocast(env.device.type, dtype=torch.bfloat16, enabled=cfg.dtype == "bfloat16")
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, data: TextData, cfg: TrainConfig, env: DistEnv) -> float:
+    """Mean token loss over the fixed validation windows, shared between ranks and summed with all_reduce."""
+    model.eval()
+    total = torch.zeros(2, dtype=torch.float64, device=env.device)
+    for x, y in eval_batches(data.val, cfg.seq_len, cfg.batch_size, cfg.eval_batches, env.rank, env.world_size):
+        with _autocast(cfg, env):
+            _, loss = model(x.to(env.device), y.to(env.device))
+        total[0] += loss.double() * y.numel()
+        total[1] += y.numel()
+    model.train()
+    _all_reduce_sum(total)
+    return (total[0] / total[1]).item()
+
+
+def weights_digest(state: Mapping[str, torch.Tensor]) -> str:
+    """sha1 over the exact bytes of every tensor of a state dict (replicas must agree bit for bit)."""
+    h = hashlib.sha1()
+    for name, t in sorted(state.items()):
+        h.update(name.encode())
+        h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def plot_losses(rows: list[dict[str, Any]], path: Path, title: str) -> None:
+    from matplotlib.figure import Figure  # object API + Agg canvas: no pyplot, no global backend
+
+    fig = Figure(figsize=(7, 4.5), dpi=120)
+    ax = fig.subplots()
+    train = [(r["step"], r["train_loss"]) for r in rows if "train_loss" in r]
+    val = [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
+    if train:
+        ax.plot(*zip(*train), label="train")
+    if val:
+        ax.plot(*zip(*val), "o-", label="validation")
+    ax.set(xlabel="step", ylabel="cross-entropy (nats/token)", title=title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+# --------------------------------------------------------------------------- training
+
+
+def train_step(
+    wrapped: nn.Module,
+    sampler: WindowSampler,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    cfg: TrainConfig,
+    env: DistEnv,
+) -> torch.Tensor:
+    """One optimizer step over ``grad_accum`` micro-batches; returns this rank's mean loss (detached)."""
+    ddp = isinstance(wrapped, DistributedDataParallel)
+    mean_loss = torch.zeros((), device=env.device)
+    for micro in range(cfg.grad_accum):
+        x, y = next(sampler)
+        sync = wrapped.no_sync() if ddp and micro < cfg.grad_accum - 1 else nullcontext()
+        with sync:  # gradients are all-reduced on the last micro-batch only
+            with _autocast(cfg, env):
+                _, loss = wrapped(x.to(env.device), y.to(env.device))
+            (loss / cfg.grad_accum).backward()
+        mean_loss += loss.detach() / cfg.grad_accum
+    if cfg.grad_clip > 0:
+        nn.utils.clip_grad_norm_(wrapped.parameters(), cfg.grad_clip)
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return mean_loss
+
+
+class MetricsLog:
+    """Metric rows, kept on every rank; rank 0 also appends them to ``metrics.jsonl`` as they come."""
+
+    def __init__(self, path: Path | None) -> None:
+        self.rows: list[dict[str, Any]] = []
+        self._file = open(path, "w") if path is not None else None
+
+    def add(self, row: dict[str, Any]) -> None:
+        self.rows.append(row)
+        if self._file is not None:
+            self._file.write(json.dumps(row) + "\n")
+            self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+
+
+def train(cfg: TrainConfig, env: DistEnv) -> dict[str, Any]:
+    out_dir = Path(cfg.out_dir)
+    if not env.is_main:  # rank 0 builds the data cache, the others then read it
+        _barrier()
+    data = build_data(cfg.data, vocab_size=cfg.vocab_size, val_fraction=cfg.val_fraction)
+    if env.is_main:
+        _barrier()
+
+    torch.manual_seed(cfg.seed)
+    model = build_model(cfg, data.vocab_size).to(env.device)
+    tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum * env.world_size
+    if env.is_main:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "config.yaml").write_text(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
+        print(
+            f"model {cfg.model}: {model.num_params() / 1e6:.2f}M params | data {data.path} "
+            f"({len(data.train):,} train / {len(data.val):,} val tokens) | "
+            f"world {env.world_size} on {env.device} | {tokens_per_step:,} tokens/step",
+            flush=True,
+        )
+    wrapped = wrap_model(model, cfg, env)
+    optimizer = build_optimizer(cfg, model)
+    scheduler = build_scheduler(cfg, optimizer)
+    sampler = WindowSampler(data.train, cfg.seq_len, cfg.batch_size, seed=cfg.seed, rank=env.rank)
+    log = MetricsLog(out_dir / "metrics.jsonl" if env.is_main else None)
+
+    eval_seconds = 0.0  # excluded from throughput
+
+    def timed_eval() -> float:
+        nonlocal eval_seconds
+        t = time.perf_counter()
+        loss = evaluate(wrapped, data, cfg, env)
+        eval_seconds += time.perf_counter() - t
+        return loss
+
+    start = time.perf_counter()
+    initial_val = timed_eval()
+    log.add({"step": 0, "tokens": 0, "val_loss": initial_val, "lr": [g["lr"] for g in optimizer.param_groups]})
+    loss_sum, loss_steps, last_tokens, last_time = torch.zeros((), device=env.device), 0, 0, 0.0
+    bar = tqdm(range(1, cfg.steps + 1), disable=not env.is_main, desc="train", dynamic_ncols=True)
+    for step in bar:
+        lrs = [g["lr"] for g in optimizer.param_groups]
+        loss_sum += train_step(wrapped, sampler, optimizer, scheduler, cfg, env)
+        loss_steps += 1
+        tokens, last = step * tokens_per_step, step == cfg.steps
+        row: dict[str, Any] = {}
+        if step % cfg.log_every == 0 or last:  # mean train loss since the last log, over all ranks
+            train_time = time.perf_counter() - start - eval_seconds
+            row["train_loss"] = _all_reduce_sum(loss_sum / loss_steps).item() / env.world_size
+            row["tok_per_s"] = (tokens - last_tokens) / max(train_time - last_time, 1e-9)
+            loss_sum.zero_()
+            loss_steps, last_tokens, last_time = 0, tokens, train_time
+            bar.set_postfix(loss=f"{row['train_loss']:.3f}", tok_s=f"{row['tok_per_s']:,.0f}")
+        if step % cfg.eval_every == 0 or last:
+            row["val_loss"] = timed_eval()
+        if row:
+            log.add({"step": step, "tokens": tokens, **row, "lr": lrs, "elapsed": time.perf_counter() - start})
+    bar.close()
+    log.close()
+    elapsed = time.perf_counter() - start
+
+    digests = [weights_digest(model.state_dict())] * env.world_size
+    if dist.is_initialized():
+        dist.all_gather_object(digests, digests[0])
+    summary = {
+        "optimizer": cfg.optimizer,
+        "preset": cfg.preset if cfg.optimizer == "swan" else None,
+        "model": cfg.model,
+        "n_params": model.num_params(),
+        "parallel": cfg.parallel,
+        "world_size": env.world_size,
+        "device": str(env.device),
+        "steps": cfg.steps,
+        "tokens": cfg.steps * tokens_per_step,
+        "time_s": elapsed,
+        "tok_per_s": cfg.steps * tokens_per_step / max(elapsed - eval_seconds, 1e-9),
+        "initial_val_loss": initial_val,
+        "final_val_loss": log.rows[-1]["val_loss"],
+        "final_train_loss": log.rows[-1]["train_loss"],
+        "weights_sha1": digests,  # one per rank; data parallelism must keep them equal
+    }
+    if env.is_main:
+        if cfg.save_model:
+            torch.save(model.state_dict(), out_dir / "model.pt")
+        title = f"{cfg.model.get('size', 'tiny')} / {summary['preset'] or 'adamw'} / world {env.world_size}"
+        plot_losses(log.rows, out_dir / "loss_curve.png", title)
+        (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+        print(json.dumps({k: summary[k] for k in ("initial_val_loss", "final_val_loss", "final_train_loss", "time_s")}))
+    return summary
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(prog="python -m swan_dist.reference.train", description=__doc__.split("\n")[0])
+    parser.add_argument("--config", help="YAML config (see configs/train/)")
+    parser.add_argument("--set", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
+                        help="override config keys, e.g. --set steps=50 model.n_layers=2 lr=3e-3")  # fmt: skip
+    args = parser.parse_args(argv)
+    cfg = load_config(args.config, args.set)
+    env = setup_distributed(cfg)
+    try:
+        return train(cfg, env)
+    finally:
+        if env.owns_process_group:
+            dist.destroy_process_group()
+
+
+def cli() -> None:
+    """Console-script entry point (``main`` returns the summary, which ``sys.exit`` would print as an error)."""
+    main()
+
+
+if __name__ == "__main__":
+    cli()
