@@ -99,22 +99,26 @@ def test_ddp_world_size_one_in_process(tmp_path):
 
 
 @pytest.mark.timeout(240)
-def test_torchrun_two_process_ddp(tmp_path):
-    out = tmp_path / "ddp2"
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp2"])
+def test_torchrun_two_process(tmp_path, parallel):
+    out = tmp_path / parallel
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
         "-m", "swan_dist.reference.train", "--config", SMOKE,
-        "--set", f"out_dir={out}", "parallel=ddp", "optimizer=swan", "lr=null", "steps=20", "eval_every=10",
-        "grad_accum=2", "save_model=true",
+        "--set", f"out_dir={out}", f"parallel={parallel}", "optimizer=swan", "lr=null", "steps=20", "eval_every=10",
+        "grad_accum=2", "save_model=true", "swan_mode=owner",
     ]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=220)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     _check_outputs(out, summary)
-    assert summary["world_size"] == 2 and summary["parallel"] == "ddp"
+    assert summary["world_size"] == 2 and summary["parallel"] == parallel
     assert summary["tokens"] == 20 * 2 * 2 * 8 * 64  # steps * ranks * grad_accum * batch * seq_len
     digests = summary["weights_sha1"]
     assert len(digests) == 2 and digests[0] == digests[1], "ranks ended with different weights"
     assert weights_digest(torch.load(out / "model.pt")) == digests[0]  # the digest is of the saved weights
     assert summary["final_val_loss"] < summary["initial_val_loss"]
+    # owner mode: each SWAN matrix (7 per block) whitened once per optimizer step, across both ranks
+    n_layers = summary["model"].get("n_layers", 4) if isinstance(summary["model"], dict) else 4
+    assert summary["whitened_matrices"] == 20 * 7 * n_layers

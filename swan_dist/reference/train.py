@@ -60,7 +60,9 @@ class TrainConfig:
     out_dir: str = "runs/default"
     save_model: bool = True  # rank 0 writes out_dir/model.pt (state dict of the unwrapped model)
     seed: int = 0
-    parallel: str = "none"  # none | ddp
+    parallel: str = "none"  # none | ddp | fsdp2
+    swan_mode: str = "auto"  # SWAN engine: auto (owner when world > 1) | owner | replicated | local
+    bucket_mb: float = 256.0  # SWAN engine: full fp32 matrices one owner assembles per bucket
     backend: str = "auto"  # auto | gloo | nccl
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "float32"  # float32 | bfloat16 (autocast)
@@ -78,6 +80,7 @@ class TrainConfig:
                 setattr(self, name, float(value))
         choices = {
             "optimizer": ("swan", "adamw"), "parallel": tuple(PARALLEL), "backend": ("auto", "gloo", "nccl"),
+            "swan_mode": ("auto", "owner", "replicated", "local"),
             "device": ("auto", "cpu", "cuda"), "dtype": ("float32", "bfloat16"),
         }  # fmt: skip
         for name, allowed in choices.items():
@@ -187,7 +190,8 @@ def build_optimizer(cfg: TrainConfig, model: nn.Module) -> torch.optim.Optimizer
         import swan_dist
 
         groups = swan_dist.param_groups(model, fallback=cfg.fallback)
-        return swan_dist.SWAN(groups, preset=cfg.preset, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        return swan_dist.SWAN(groups, preset=cfg.preset, lr=cfg.lr, weight_decay=cfg.weight_decay,
+                              mode=cfg.swan_mode, bucket_mb=cfg.bucket_mb)
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     decay = [p for n, p in params if p.ndim >= 2 and not n.startswith("tok_embeddings")]
     no_decay = [p for n, p in params if not (p.ndim >= 2 and not n.startswith("tok_embeddings"))]
@@ -226,8 +230,28 @@ def _ddp(model: nn.Module, env: DistEnv) -> nn.Module:
     return DistributedDataParallel(model, device_ids=device_ids, forward_sync_buffers=False)  # buffers are constants
 
 
-# parallel strategy -> wrapper(model, env); FSDP2 / FSDP1 / DeepSpeed plug in here.
-PARALLEL: dict[str, Callable[[nn.Module, DistEnv], nn.Module]] = {"none": lambda model, env: model, "ddp": _ddp}
+def _fsdp2(model: nn.Module, env: DistEnv) -> nn.Module:
+    """FSDP2: each transformer block one shard group, the root (embeddings, norm, head) another."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(env.device.type, (env.world_size,))
+    for block in model.layers:
+        fully_shard(block, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+# parallel strategy -> wrapper(model, env); FSDP1 / DeepSpeed plug in here.
+PARALLEL: dict[str, Callable[[nn.Module, DistEnv], nn.Module]] = {
+    "none": lambda model, env: model, "ddp": _ddp, "fsdp2": _fsdp2,
+}
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's full (unsharded) state dict; a collective under FSDP2, so every rank calls it."""
+    from torch.distributed.tensor import DTensor
+
+    return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in model.state_dict().items()}
 
 
 def wrap_model(model: nn.Module, cfg: TrainConfig, env: DistEnv) -> nn.Module:
@@ -292,12 +316,17 @@ def train_step(
     env: DistEnv,
 ) -> torch.Tensor:
     """One optimizer step over ``grad_accum`` micro-batches; returns this rank's mean loss (detached)."""
+    from torch.distributed.fsdp import FSDPModule
+
     ddp = isinstance(wrapped, DistributedDataParallel)
     mean_loss = torch.zeros((), device=env.device)
     for micro in range(cfg.grad_accum):
         x, y = next(sampler)
-        sync = wrapped.no_sync() if ddp and micro < cfg.grad_accum - 1 else nullcontext()
-        with sync:  # gradients are all-reduced on the last micro-batch only
+        last = micro == cfg.grad_accum - 1
+        if isinstance(wrapped, FSDPModule):
+            wrapped.set_requires_gradient_sync(last)
+        sync = wrapped.no_sync() if ddp and not last else nullcontext()
+        with sync:  # gradients are reduced on the last micro-batch only
             with _autocast(cfg, env):
                 _, loss = wrapped(x.to(env.device), y.to(env.device))
             (loss / cfg.grad_accum).backward()
@@ -326,6 +355,13 @@ class MetricsLog:
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
+
+
+def _whitened(optimizer: torch.optim.Optimizer, env: DistEnv) -> int | None:
+    count = getattr(optimizer, "whitened_matrices", None)
+    if count is None:
+        return None
+    return int(_all_reduce_sum(torch.tensor(float(count), device=env.device)).item())
 
 
 def train(cfg: TrainConfig, env: DistEnv) -> dict[str, Any]:
@@ -389,7 +425,8 @@ def train(cfg: TrainConfig, env: DistEnv) -> dict[str, Any]:
     log.close()
     elapsed = time.perf_counter() - start
 
-    digests = [weights_digest(model.state_dict())] * env.world_size
+    full = full_state_dict(model)
+    digests = [weights_digest(full)] * env.world_size
     if dist.is_initialized():
         dist.all_gather_object(digests, digests[0])
     summary = {
@@ -408,10 +445,11 @@ def train(cfg: TrainConfig, env: DistEnv) -> dict[str, Any]:
         "final_val_loss": log.rows[-1]["val_loss"],
         "final_train_loss": log.rows[-1]["train_loss"],
         "weights_sha1": digests,  # one per rank; data parallelism must keep them equal
+        "whitened_matrices": _whitened(optimizer, env),  # SWAN: matrices whitened, summed over ranks
     }
     if env.is_main:
         if cfg.save_model:
-            torch.save(model.state_dict(), out_dir / "model.pt")
+            torch.save(full, out_dir / "model.pt")
         title = f"{cfg.model.get('size', 'tiny')} / {summary['preset'] or 'adamw'} / world {env.world_size}"
         plot_losses(log.rows, out_dir / "loss_curve.png", title)
         (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
