@@ -25,7 +25,7 @@ from swan_dist.integrations import locate
 
 from .functional import WhitenConfig, resolve_dtype, swan_update
 from .presets import OPTIMIZER_KEYS, load_preset
-from .routing import Exchange, MatrixSpec, Piece, build_plan, gather_step_flags
+from .routing import Exchange, MatrixSpec, Piece, agree_on_step, build_plan
 from .selection import Rule, classify, collapse_name, param_groups, tagged_name
 
 __all__ = ["SWAN", "FALLBACKS"]
@@ -242,12 +242,10 @@ class SWAN(torch.optim.Optimizer):
         world, group = self._world()
         layouts = None
         if world > 1:
-            flags = gather_step_flags(codes, self._config_hash(entries), self._layout_hash(entries, pieces),
-                                      group, self._comm_device(entries))
-            if (flags[:, 0] != flags[0, 0]).any():
+            ok, layouts, codes = agree_on_step(codes, self._config_hash(entries), self._layout_hash(pieces),
+                                               group, self._comm_device())
+            if not ok:
                 self._raise_config_mismatch(entries, group)
-            codes = flags[:, 2:].amax(0).tolist()  # 2: non-finite on some rank, 1: a gradient somewhere
-            layouts = flags[:, 1].tolist()
         has_grad = [c > 0 for c in codes]
         bad = [i for i, c in enumerate(codes) if c == 2]
         if bad:
@@ -260,9 +258,13 @@ class SWAN(torch.optim.Optimizer):
             self.nonfinite_skips.update(names)
             warnings.warn(f"SWAN: non-finite gradient, update skipped for {names[:8]}", RuntimeWarning)
         skip = set(bad) | {i for i, h in enumerate(has_grad) if not h}
+        todo: dict[int, list[Tensor]] = defaultdict(list)  # fallback params per group, in group order
         for i, (g, p, _) in enumerate(entries):
             if not g["use_swan"] and i not in skip and p.grad is not None:
-                getattr(self, f"_fallback_{g['fallback']}")(g, [p])
+                todo[id(g)].append(p)
+        for g in self.param_groups:
+            if todo.get(id(g)):
+                getattr(self, f"_fallback_{g['fallback']}")(g, todo[id(g)])
         swan = [i for i, (g, _, _) in enumerate(entries) if g["use_swan"]]
         if world > 1 and self._mode(world) != "local":
             self._swan_distributed(entries, pieces, swan, skip, layouts, group)
@@ -329,7 +331,7 @@ class SWAN(torch.optim.Optimizer):
             dist.all_gather_object(ranges, [(pieces[i].lo, pieces[i].hi) for i in swan], group=group)
             plan = build_plan(specs, ranges, self._mode(len(ranges)), int(self.bucket_mb * 2**20))
             dtypes = [entries[i][1].dtype for i in swan]
-            self._plan = Exchange(plan, dist.get_rank(group), group, self._comm_device(entries), dtypes)
+            self._plan = Exchange(plan, dist.get_rank(group), group, self._comm_device(), dtypes)
             self._plan_layouts = layouts
         local_skip = {m for m, i in enumerate(swan) if i in skip}
 
@@ -350,7 +352,7 @@ class SWAN(torch.optim.Optimizer):
             return "owner" if world > 1 else "local"
         return self.mode
 
-    def _comm_device(self, entries: list) -> torch.device:
+    def _comm_device(self) -> torch.device:
         if dist.get_backend(self.process_group) == "nccl":
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
@@ -367,7 +369,7 @@ class SWAN(torch.optim.Optimizer):
         return zlib.crc32(repr(self._descriptors(entries)).encode())
 
     @staticmethod
-    def _layout_hash(entries: list, pieces: list[Piece]) -> int:
+    def _layout_hash(pieces: list[Piece]) -> int:
         return zlib.crc32(repr([(pc.lo, pc.hi) for pc in pieces]).encode())
 
     def _raise_config_mismatch(self, entries: list, group) -> None:

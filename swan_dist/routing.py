@@ -28,7 +28,7 @@ from torch import Tensor
 
 from .functional import WhitenConfig, swan_update, whiten_flops
 
-__all__ = ["Piece", "MatrixSpec", "Plan", "Bucket", "build_plan", "cover", "Exchange", "Segment", "gather_step_flags"]
+__all__ = ["Piece", "MatrixSpec", "Plan", "Bucket", "build_plan", "cover", "Exchange", "Segment", "agree_on_step"]
 
 Range = tuple[int, int]
 Segment = tuple[int, int, int]  # (matrix index, lo, hi)
@@ -348,13 +348,22 @@ class Exchange:
                 offset += hi - lo
 
 
-def gather_step_flags(
+def agree_on_step(
     codes: Sequence[int], config_hash: int, layout_hash: int, group: dist.ProcessGroup | None, device: torch.device
-) -> Tensor:
-    """One small all_gather per step: every rank's ``[config_hash, layout_hash, *codes]`` as a
-    ``(world, 2 + len(codes))`` int64 tensor, so that every rank takes the same decisions (skip,
-    raise, rebuild the plan) from the same data."""
-    t = torch.tensor([config_hash, layout_hash, *codes], dtype=torch.int64, device=device)
-    out = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(out, t, group=group)
-    return torch.stack(out).cpu()
+) -> tuple[bool, list[int], list[int] | None]:
+    """The per-step agreement every rank reaches from the same data, so that all take the same path.
+
+    One ``all_gather`` of ``[config_hash, layout_hash, len(codes)]``, then (if every rank has the same
+    configuration) one ``all_reduce(MAX)`` of the per-parameter codes (0 no gradient, 1 finite,
+    2 non-finite). Returns ``(configs_agree, layout hash per rank, max code per parameter or None)``.
+    """
+    head = torch.tensor([config_hash, layout_hash, len(codes)], dtype=torch.int64, device=device)
+    heads = [torch.empty_like(head) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(heads, head, group=group)
+    table = torch.stack(heads).cpu()
+    layouts = table[:, 1].tolist()
+    if (table[:, 0] != table[0, 0]).any() or (table[:, 2] != table[0, 2]).any():
+        return False, layouts, None
+    flags = torch.tensor(list(codes), dtype=torch.int32, device=device)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+    return True, layouts, flags.cpu().tolist()

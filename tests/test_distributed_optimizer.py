@@ -53,11 +53,13 @@ def _reference(step_grads, opts, steps, start_state=None):
     return ref
 
 
-def _shard_fsdp2(model: nn.Module, world: int):
+def _shard_fsdp2(model: nn.Module, world: int, hsdp: bool = False):
+    """FSDP2 on a 1-D mesh, or with ``hsdp`` on a 2-D (replicate, shard) mesh of 2 x world/2."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    mesh = init_device_mesh("cpu", (world,))
+    shape = (2, world // 2) if hsdp else (world,)
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard")[-len(shape):])
     for m in (model.up, model.down, model.narrow, model.mid, model.output):
         fully_shard(m, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -83,12 +85,12 @@ def _full(model: nn.Module) -> dict[str, torch.Tensor]:
 OPTS = [dict(preset="swan_ddagger", lr=0.05), dict(preset="swan_dagger", lr=0.05, weight_decay=0.1, ns_steps=4)]
 
 
-def _fsdp2_worker(rank, world, mode):
+def _fsdp2_worker(rank, world, mode, hsdp=False):
     out = []
     for opts in OPTS:
         torch.manual_seed(0)
         model = Net()
-        _shard_fsdp2(model, world)
+        _shard_fsdp2(model, world, hsdp)
         opt = SWAN(model, verbose=rank == 0, mode=mode, bucket_mb=0.0001, **opts)
         for t in range(3):
             _set_grads(model, _global_grads(model, t))
@@ -112,6 +114,15 @@ def test_fsdp2_equals_single_process(world):
         assert sum(r[2] for r in per_rank) == 3 * 4  # each of the 4 matrices whitened once per step
         if world > 1:
             assert len(per_rank[0][1]) > 1  # several buckets
+
+
+def test_fsdp2_hsdp_2d_mesh_equals_single_process():
+    """(Replicate, Shard(0)) placements: replicas hold the same rows; nothing is sent twice to an owner."""
+    res = run_distributed(_fsdp2_worker, 4, "auto", True)
+    for c in range(len(OPTS)):
+        assert max(r[c][0] for r in res) < 2e-5
+        assert all(r[c][1] == res[0][c][1] for r in res)
+        assert sum(r[c][2] for r in res) == 3 * 4
 
 
 def test_fsdp2_replicated_mode_equals_owner_mode():
@@ -149,10 +160,21 @@ def _mismatch_worker(rank, world):
     opt.step()
 
 
+def _count_mismatch_worker(rank, world):
+    torch.manual_seed(0)
+    model = Net()
+    named = [(n, p) for n, p in model.named_parameters() if not (rank == 1 and n == "up.bias")]
+    opt = SWAN(named, verbose=False)
+    _set_grads(model, _global_grads(model, 0))
+    opt.step()
+
+
 def test_mismatched_config_raises_on_every_rank():
     res = run_distributed(_mismatch_worker, 3, raw=True)
     assert all(r[0] == "error" and r[2] == "ValueError" for r in res), res
     assert all("'beta'" in r[3] and "rank 1" in r[3] for r in res), res[0][3]
+    res = run_distributed(_count_mismatch_worker, 2, raw=True)  # different parameter lists: no hang
+    assert all(r[0] == "error" and r[2] == "ValueError" and "rank 1" in r[3] for r in res), res
 
 
 def _bad_input_worker(rank, world):
