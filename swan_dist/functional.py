@@ -73,41 +73,38 @@ def resolve_dtype(cfg: WhitenConfig, device: torch.device) -> torch.dtype:
     return torch.float32
 
 
-def _safe_scale(x: Tensor, norm: Tensor) -> Tensor:
-    """x / norm where norm > 0, else 0 (norm broadcasts against x)."""
-    return torch.where(norm > 0, x / torch.where(norm > 0, norm, torch.ones_like(norm)), 0.0)
+def _recip(norm: Tensor) -> Tensor:
+    """1 / norm, with 0 for norm == 0 (so zero inputs map to zero outputs, never NaN)."""
+    return torch.where(norm > 0, 1.0 / norm.clamp_min(torch.finfo(norm.dtype).tiny), 0.0)
 
 
-def _frobenius(x: Tensor) -> Tensor:
-    """Frobenius norm of each matrix in the batch, shape (..., 1, 1), without under/overflow."""
-    amax = x.abs().amax(dim=(-2, -1), keepdim=True)
-    scaled = _safe_scale(x, amax)
-    return amax * scaled.square().sum(dim=(-2, -1), keepdim=True).sqrt()
+def _max_abs(x: Tensor, dim) -> Tensor:
+    return x.abs().amax(dim=dim, keepdim=True)  # ~6x faster than vector_norm(ord=inf) on CPU
 
 
 def grad_norm(g: Tensor, mode: str = "rms") -> Tensor:
     """GradNorm (paper eq. 1) in torch layout: each column (input index) of ``(..., out, in)``
     divided by its RMS over the output dim (-2); ``mode='mean'`` subtracts the column mean first.
 
-    A column that is all zero stays zero. The statistics are computed on the max-abs-scaled column
-    so tiny (1e-30) and huge gradients give the same result as moderate ones.
+    A column that is all zero stays zero. The RMS is taken of the max-abs-scaled column, so tiny
+    (1e-30) and huge (1e30) gradients give the same result as moderate ones.
     """
     if mode == "none" or g.numel() == 0:
         return g
     if mode == "mean":
         g = g - g.mean(dim=-2, keepdim=True)
-    amax = g.abs().amax(dim=-2, keepdim=True)
-    g = _safe_scale(g, amax)
-    rms = g.square().mean(dim=-2, keepdim=True).sqrt()
-    return _safe_scale(g, rms)
+    g = g * _recip(_max_abs(g, -2))  # entries now in [-1, 1]: no under/overflow below
+    rms = torch.linalg.vector_norm(g, dim=-2, keepdim=True) / math.sqrt(g.shape[-2])
+    return g * _recip(rms)
 
 
-def whiten(g: Tensor, method: str = "nsds", steps: int = 2, beta: float = 0.4) -> Tensor:
+def whiten(g: Tensor, method: str = "nsds", steps: int = 2, beta: float = 0.4, prescale: bool = True) -> Tensor:
     """GradWhitening (paper Alg. 2): approximately ``(G Gᵀ)^{-1/2} G`` for each matrix.
 
     Orientation is the paper's (rows = input dims; Alg. 2 assumes rows <= cols, so a wider-than-tall
     input is transposed, iterated, and transposed back). The input is divided by its Frobenius norm,
-    then the coupled iteration runs on the Gram of the smaller side (``Y₀ = XXᵀ``, ``Z₀ = I``), updating Y and Z simultaneously from the previous pair:
+    then the coupled iteration runs on the Gram of the smaller side (``Y₀ = XXᵀ``, ``Z₀ = I``),
+    updating Y and Z simultaneously from the previous pair:
 
     - NS:   ``T = 3I − Z Y;  Y ← β Y T;  Z ← β T Z``
     - NSDS: ``Y ← β Y Diag(3 − dZ⊙dY);  Z ← β (3I − Diag(dZ) Y) Diag(dZ)`` with dY, dZ the diagonals
@@ -116,30 +113,37 @@ def whiten(g: Tensor, method: str = "nsds", steps: int = 2, beta: float = 0.4) -
     (NS, 10 steps) and β = 0.4 (NSDS, 2 steps), which leave the singular values in a band rather
     than at one; the rescale that follows removes the overall scale. The result has the input's
     dtype; compute in the dtype you pass.
+
+    The Frobenius normalisation is folded into the small matrices (``‖X‖²`` is the Gram's trace), so
+    it costs no pass over X. With ``prescale`` the input is first divided by its max-abs so that the
+    Gram cannot under/overflow; GradNorm's output (entries bounded by sqrt(rows)) does not need it.
     """
     if method == "none" or g.numel() == 0:
         return g
+    if method not in ("ns", "nsds"):
+        raise ValueError(f"unknown whitening method {method!r}")
     transpose = g.shape[-2] > g.shape[-1]
     x = g.mT if transpose else g
-    x = _safe_scale(x, _frobenius(x))
+    if prescale:
+        x = x * _recip(_max_abs(x, (-2, -1)))
     m = x.shape[-2]
     eye = torch.eye(m, dtype=x.dtype, device=x.device)
     y = x @ x.mT
+    inv_fro2 = _recip(y.diagonal(dim1=-2, dim2=-1).sum(-1, keepdim=True).unsqueeze(-1))
+    y = y * inv_fro2  # the Gram of X / ‖X‖_F
     z = eye.expand_as(y)
     for _ in range(steps):
         if method == "ns":
             t = 3.0 * eye - z @ y
             y, z = beta * (y @ t), beta * (t @ z)
-        elif method == "nsds":
+        else:
             dy = y.diagonal(dim1=-2, dim2=-1)
             dz = z.diagonal(dim1=-2, dim2=-1)
             y, z = (
                 beta * y * (3.0 - dz * dy).unsqueeze(-2),
                 beta * (3.0 * eye - dz.unsqueeze(-1) * y) * dz.unsqueeze(-2),
             )
-        else:
-            raise ValueError(f"unknown whitening method {method!r}")
-    out = z @ x
+    out = (z * inv_fro2.sqrt()) @ x  # Z (X / ‖X‖_F), the scale applied to the small matrix
     return out.mT if transpose else out
 
 
@@ -148,7 +152,8 @@ def rescale(u: Tensor) -> Tensor:
     if u.numel() == 0:
         return u
     m, n = u.shape[-2], u.shape[-1]
-    return _safe_scale(u, _frobenius(u)) * math.sqrt(m * n)
+    u = u * _recip(_max_abs(u, (-2, -1)))
+    return u * (_recip(torch.linalg.vector_norm(u, dim=(-2, -1), keepdim=True)) * math.sqrt(m * n))
 
 
 def swan_update(g: Tensor, cfg: WhitenConfig = WhitenConfig()) -> tuple[Tensor, Tensor]:
@@ -165,15 +170,15 @@ def swan_update(g: Tensor, cfg: WhitenConfig = WhitenConfig()) -> tuple[Tensor, 
         return torch.zeros(g.shape, dtype=torch.float32, device=g.device), torch.ones(
             g.shape[:-2], dtype=torch.bool, device=g.device
         )
-    finite = torch.isfinite(g).flatten(-2).all(-1)
-    x = torch.where(finite[..., None, None], g.to(torch.promote_types(g.dtype, torch.float32)), 0.0)
+    x = g.to(torch.promote_types(g.dtype, torch.float32))
+    finite = torch.isfinite(_max_abs(x, (-2, -1)))  # NaN/Inf anywhere shows in the max-abs
     x = grad_norm(x, cfg.grad_norm)
     wdtype = resolve_dtype(cfg, g.device)
     # whiten() works in the paper's orientation (rows = input dims): a square matrix takes the Gram
     # of its input side, as Alg. 2 with m <= n does; NSDS depends on that choice, NS does not.
-    x = whiten(x.to(wdtype).mT, cfg.method, cfg.steps, cfg.beta).mT
+    x = whiten(x.to(wdtype).mT, cfg.method, cfg.steps, cfg.beta, prescale=cfg.grad_norm == "none").mT
     upd = rescale(x.to(torch.promote_types(wdtype, torch.float32)))
-    return upd, finite
+    return torch.where(finite, upd, 0.0), finite[..., 0, 0]
 
 
 def whiten_flops(shape: tuple[int, int], cfg: WhitenConfig) -> float:

@@ -154,6 +154,20 @@ class SWAN(torch.optim.Optimizer):
         if verbose and _rank0():
             print(self.summary(), flush=True)
 
+    # torch's Optimizer pickles only defaults/state/param_groups; keep our settings too. The plan is
+    # rebuilt on the next step; a process group cannot be copied (a copy uses the default group
+    # until ``process_group`` is set again).
+    _PICKLED = ("preset", "mode", "bucket_mb", "_include", "_exclude", "_rows", "nonfinite_skips", "whitened_matrices")
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state.update({k: self.__dict__[k] for k in self._PICKLED})
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self.process_group, self._plan, self._plan_layouts = None, None, None
+
     # ------------------------------------------------------------------ groups and summary
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Classify each parameter and add one SWAN and/or one fallback group with the same options."""

@@ -175,8 +175,17 @@ def test_torch_optimizer_conventions():
     assert isinstance(loss, torch.Tensor) and calls == ["pre", "post"]
     opt.zero_grad()
     assert all(p.grad is None for p in model.parameters())
-    clone = copy.deepcopy(opt)
-    assert clone.state_dict()["param_groups"] == opt.state_dict()["param_groups"]
+    twin_model = copy.deepcopy(model)
+    clone = copy.deepcopy({"m": model, "o": opt})  # params and optimizer copied together
+    assert clone["o"].state_dict()["param_groups"] == opt.state_dict()["param_groups"]
+    assert clone["o"].summary() == opt.summary() and clone["o"].mode == opt.mode
+    for m, o in ((model, opt), (clone["m"], clone["o"])):
+        o.zero_grad()
+        _loss(m, x).backward()
+        o.step()
+    for a, b in zip(model.parameters(), clone["m"].parameters()):
+        assert torch.equal(a, b)
+    assert not torch.equal(twin_model.layers[0].up.weight, model.layers[0].up.weight)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5)
     assert [g["lr"] for g in opt.param_groups] == [0.005, 0.005]
     w = model.layers[0].up.weight
