@@ -256,10 +256,10 @@ class SWAN(torch.optim.Optimizer):
         world, group = self._world()
         layouts = None
         if world > 1:
-            ok, layouts, codes = agree_on_step(codes, self._config_hash(entries), self._layout_hash(pieces),
+            ok, layouts, codes = agree_on_step(codes, self._config_hash(entries, pieces), self._layout_hash(pieces),
                                                group, self._comm_device())
             if not ok:
-                self._raise_config_mismatch(entries, group)
+                self._raise_config_mismatch(entries, pieces, group)
         has_grad = [c > 0 for c in codes]
         bad = [i for i, c in enumerate(codes) if c == 2]
         if bad:
@@ -371,25 +371,25 @@ class SWAN(torch.optim.Optimizer):
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
 
-    def _descriptors(self, entries: list) -> list[tuple]:
+    def _descriptors(self, entries: list, pieces: list[Piece]) -> list[tuple]:
         """What every rank must agree on, per parameter (name, shape, dtype, rule, hyper-parameters)."""
         keys = sorted(OPTIMIZER_KEYS) + ["use_swan"]
         return [
-            (name, tuple(p.shape), str(p.dtype), tuple((k, repr(g.get(k))) for k in keys))
-            for g, p, name in entries
+            (name, pc.shape, str(p.dtype), tuple((k, repr(g.get(k))) for k in keys))
+            for (g, p, name), pc in zip(entries, pieces)
         ] + [("<engine>", self.mode, self.bucket_mb)]
 
-    def _config_hash(self, entries: list) -> int:
-        return zlib.crc32(repr(self._descriptors(entries)).encode())
+    def _config_hash(self, entries: list, pieces: list[Piece]) -> int:
+        return zlib.crc32(repr(self._descriptors(entries, pieces)).encode())
 
     @staticmethod
     def _layout_hash(pieces: list[Piece]) -> int:
         return zlib.crc32(repr([(pc.lo, pc.hi) for pc in pieces]).encode())
 
-    def _raise_config_mismatch(self, entries: list, group) -> None:
+    def _raise_config_mismatch(self, entries: list, pieces: list[Piece], group) -> None:
         """Every rank calls this together (same gathered flags) and raises the same error."""
         everyone: list = [None] * dist.get_world_size(group)
-        dist.all_gather_object(everyone, self._descriptors(entries), group=group)
+        dist.all_gather_object(everyone, self._descriptors(entries, pieces), group=group)
         ref = everyone[0]
         for rank, desc in enumerate(everyone):
             if len(desc) != len(ref):

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from swan_dist.reference.train import build_scheduler, load_config, main, weights_digest
+from swan_dist.reference.train import build_optimizer, build_scheduler, load_config, main, weights_digest
 
 REPO = Path(__file__).resolve().parents[1]
 SMOKE = str(REPO / "configs" / "train" / "smoke.yaml")
@@ -43,6 +43,12 @@ def test_config_overrides_and_errors(tmp_path):
         load_config(SMOKE, ["model.n_layer=2"])
     with pytest.raises(ValueError, match="optimizer"):
         load_config(SMOKE, ["optimizer=sgd"])
+    cfg = load_config(SMOKE, ["optimizer=swan", "swan_options.grad_norm=mean", "swan_options.ns_stepz=3"])
+    with pytest.raises(ValueError, match="ns_stepz"):
+        build_optimizer(cfg, torch.nn.Linear(4, 4))
+    cfg = load_config(SMOKE, ["optimizer=swan", "lr=0.1", "swan_options.grad_norm=mean", "fallback=sign"])
+    opt = build_optimizer(cfg, torch.nn.Linear(4, 4))
+    assert opt.param_groups[0]["grad_norm"] == "mean" and opt.param_groups[1]["fallback"] == "sign"
 
 
 @pytest.mark.timeout(30)

@@ -63,6 +63,7 @@ class TrainConfig:
     parallel: str = "none"  # none | ddp | fsdp2
     swan_mode: str = "auto"  # SWAN engine: auto (owner when world > 1) | owner | replicated | local
     bucket_mb: float = 256.0  # SWAN engine: full fp32 matrices one owner assembles per bucket
+    swan_options: dict[str, Any] = field(default_factory=dict)  # more swan_dist.SWAN keyword arguments
     backend: str = "auto"  # auto | gloo | nccl
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "float32"  # float32 | bfloat16 (autocast)
@@ -190,8 +191,11 @@ def build_optimizer(cfg: TrainConfig, model: nn.Module) -> torch.optim.Optimizer
         import swan_dist
 
         groups = swan_dist.param_groups(model, fallback=cfg.fallback)
-        return swan_dist.SWAN(groups, preset=cfg.preset, lr=cfg.lr, weight_decay=cfg.weight_decay,
-                              mode=cfg.swan_mode, bucket_mb=cfg.bucket_mb)
+        try:
+            return swan_dist.SWAN(groups, preset=cfg.preset, lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                  mode=cfg.swan_mode, bucket_mb=cfg.bucket_mb, **cfg.swan_options)
+        except TypeError as e:
+            raise ValueError(f"config swan_options {sorted(cfg.swan_options)}: {e}") from None
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     decay = [p for n, p in params if p.ndim >= 2 and not n.startswith("tok_embeddings")]
     no_decay = [p for n, p in params if not (p.ndim >= 2 and not n.startswith("tok_embeddings"))]
