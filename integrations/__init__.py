@@ -11,12 +11,22 @@ from torch import Tensor
 
 from swan_dist.routing import Piece
 
+from torch import nn
+
+from . import fsdp1
 from .ddp import replicated_piece
 from .fsdp2 import dtensor_piece, is_dtensor
+
+
+def prepare(model: nn.Module) -> None:
+    """Let adapters record what they need on a wrapped model's parameters (FSDP1's flat views)."""
+    fsdp1.register(model)
 
 
 def locate(param: Tensor, name: str) -> Piece:
     """This rank's piece of ``param`` (the one question every adapter answers)."""
     if is_dtensor(param):
         return dtensor_piece(param, name)
+    if fsdp1.is_flat_piece(param):
+        return fsdp1.flat_piece(param)
     return replicated_piece(param)

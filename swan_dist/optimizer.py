@@ -25,7 +25,7 @@ from swan_dist.integrations import locate
 
 from .functional import WhitenConfig, resolve_dtype, swan_update
 from .presets import OPTIMIZER_KEYS, load_preset
-from .routing import Exchange, MatrixSpec, Piece, agree_on_step, build_plan
+from .routing import Exchange, MatrixSpec, Piece, agree_on_step, build_plan, full_shape
 from .selection import Rule, classify, collapse_name, param_groups, tagged_name
 
 __all__ = ["SWAN", "FALLBACKS"]
@@ -185,15 +185,16 @@ class SWAN(torch.optim.Optimizer):
         split: dict[bool, tuple[list, list]] = {True: ([], []), False: ([], [])}
         for i, p in enumerate(raw):
             name = names[i] if names is not None else tagged_name(p)
+            shape = full_shape(p)
             if forced is not None:
                 rule = Rule(bool(forced), f"param group use_swan={bool(forced)}")
-                if rule.use_swan and p.dim() < 2:
-                    raise ValueError(f"param group use_swan=True but {name or 'a parameter'} is {p.dim()}-D")
+                if rule.use_swan and len(shape) < 2:
+                    raise ValueError(f"param group use_swan=True but {name or 'a parameter'} is {len(shape)}-D")
             else:
                 rule = classify(name, p, self._include, self._exclude)
             label = name if name is not None else f"<unnamed {len(self._rows)}>"
             rule_name = "SWAN" if rule.use_swan else f"fallback:{group['fallback']}"
-            self._rows.append((label, tuple(p.shape), rule_name, rule))
+            self._rows.append((label, shape, rule_name, rule))
             split[rule.use_swan][0].append(p)
             split[rule.use_swan][1].append(label)
         for use in (True, False):

@@ -28,10 +28,21 @@ from torch import Tensor
 
 from .functional import WhitenConfig, swan_update, whiten_flops
 
-__all__ = ["Piece", "MatrixSpec", "Plan", "Bucket", "build_plan", "cover", "Exchange", "Segment", "agree_on_step"]
+__all__ = ["SHAPE_ATTR", "RANGE_ATTR", "full_shape", "Piece", "MatrixSpec", "Plan", "Bucket", "build_plan", "cover", "Exchange", "Segment", "agree_on_step"]
 
 Range = tuple[int, int]
 Segment = tuple[int, int, int]  # (matrix index, lo, hi)
+
+
+# Adapters whose local tensor is a flat piece of a parameter (FSDP1's original-parameter views) record
+# the full shape and the piece's range on the parameter under these attribute names.
+SHAPE_ATTR = "_swan_shape"
+RANGE_ATTR = "_swan_range"
+
+
+def full_shape(param: Tensor) -> tuple[int, ...]:
+    """The shape of the whole parameter, whatever piece of it this rank holds (DTensors: global)."""
+    return getattr(param, SHAPE_ATTR, None) or tuple(param.shape)
 
 
 @dataclass

@@ -21,6 +21,8 @@ from typing import Sequence
 import torch
 from torch import nn
 
+from .routing import full_shape
+
 __all__ = ["Rule", "DEFAULT_EXCLUDE", "classify", "tag_model", "param_groups", "collapse_name", "tagged_name"]
 
 # Module-path components that name an embedding or an output head (LLaMA, HF, GPT-2, Megatron, ...).
@@ -55,7 +57,7 @@ def classify(
     exclude: Sequence[str] | None = None,
 ) -> Rule:
     """Rule for one parameter from its name and tensor (steps 2-4 of the precedence above)."""
-    ndim = param.dim()
+    ndim = len(full_shape(param))
     if (p := _search(exclude, name)) is not None:
         return Rule(False, f"matches exclude pattern {p!r}")
     if (p := _search(include, name)) is not None:
@@ -76,6 +78,17 @@ def classify(
     return Rule(True, "2-D weight matrix")
 
 
+_WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
+
+
+def clean_name(name: str) -> str:
+    """A parameter name without the wrapper components FSDP1, activation checkpointing and
+    torch.compile insert (``_fsdp_wrapped_module.layers.0...`` → ``layers.0...``)."""
+    for prefix in _WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
 def tag_model(
     model: nn.Module, include: Sequence[str] | None = None, exclude: Sequence[str] | None = None
 ) -> dict[str, Rule]:
@@ -85,6 +98,9 @@ def tag_model(
     ``nn.Linear`` weights get SWAN unless named like an output head or shared with an embedding;
     ``nn.Embedding`` weights, norms and biases take the fallback rule. Returns ``{name: Rule}``.
     """
+    from swan_dist.integrations import prepare
+
+    prepare(model)  # adapters record full shapes of flat parameter views (FSDP1)
     embed_ids = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     by_id: dict[int, tuple[nn.Module, str]] = {}
     for mod_name, mod in model.named_modules():
@@ -92,6 +108,7 @@ def tag_model(
             by_id.setdefault(id(p), (mod, pname))
     rules: dict[str, Rule] = {}
     for name, p in model.named_parameters():
+        name = clean_name(name)
         mod, pname = by_id[id(p)]
         rule = classify(name, p, include, exclude)
         user_matched = _search(exclude, name) or _search(include, name)
@@ -101,7 +118,7 @@ def tag_model(
                                                              if not isinstance(mod, nn.Embedding) else ""))
             elif isinstance(mod, nn.Linear) and pname == "weight" and rule.use_swan:
                 rule = Rule(True, "nn.Linear weight")
-            elif p.dim() == 2 and rule.use_swan:
+            elif len(full_shape(p)) == 2 and rule.use_swan:
                 rule = Rule(True, f"2-D weight of {type(mod).__name__}")
         setattr(p, _TAG, rule)
         setattr(p, _NAME_TAG, name)
@@ -118,7 +135,7 @@ def param_groups(
     """Tag ``model``'s parameters (:func:`tag_model`) and return one named param group for SWAN.
     Extra keyword arguments become group options (``fallback="sign"``, ``weight_decay=0.1``, ...)."""
     tag_model(model, include, exclude)
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    named = [(clean_name(n), p) for n, p in model.named_parameters() if p.requires_grad]
     return [{"params": [p for _, p in named], "param_names": [n for n, _ in named], **group_options}]
 
 

@@ -105,7 +105,7 @@ def test_ddp_world_size_one_in_process(tmp_path):
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("parallel", ["ddp", "fsdp2"])
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp2", "fsdp1"])
 def test_torchrun_two_process(tmp_path, parallel):
     out = tmp_path / parallel
     cmd = [

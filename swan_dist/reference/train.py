@@ -30,6 +30,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
+from swan_dist.selection import clean_name
+
 from .data import TextData, WindowSampler, build_data, eval_batches
 from .model import Llama, model_config
 
@@ -60,7 +62,7 @@ class TrainConfig:
     out_dir: str = "runs/default"
     save_model: bool = True  # rank 0 writes out_dir/model.pt (state dict of the unwrapped model)
     seed: int = 0
-    parallel: str = "none"  # none | ddp | fsdp2
+    parallel: str = "none"  # none | ddp | fsdp2 | fsdp1
     swan_mode: str = "auto"  # SWAN engine: auto (owner when world > 1) | owner | replicated | local
     bucket_mb: float = 256.0  # SWAN engine: full fp32 matrices one owner assembles per bucket
     swan_options: dict[str, Any] = field(default_factory=dict)  # more swan_dist.SWAN keyword arguments
@@ -186,7 +188,7 @@ def build_model(cfg: TrainConfig, vocab_size: int) -> Llama:
 
 
 def build_optimizer(cfg: TrainConfig, model: nn.Module) -> torch.optim.Optimizer:
-    """SWAN (parameter groups classified by swan_dist) or AdamW; ``model`` must be the unwrapped module."""
+    """SWAN (parameter groups classified by swan_dist) or AdamW for ``model`` (not a DDP wrapper)."""
     if cfg.optimizer == "swan":
         import swan_dist
 
@@ -196,7 +198,7 @@ def build_optimizer(cfg: TrainConfig, model: nn.Module) -> torch.optim.Optimizer
                                   mode=cfg.swan_mode, bucket_mb=cfg.bucket_mb, **cfg.swan_options)
         except TypeError as e:
             raise ValueError(f"config swan_options {sorted(cfg.swan_options)}: {e}") from None
-    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    params = [(clean_name(n), p) for n, p in model.named_parameters() if p.requires_grad]
     decay = [p for n, p in params if p.ndim >= 2 and not n.startswith("tok_embeddings")]
     no_decay = [p for n, p in params if not (p.ndim >= 2 and not n.startswith("tok_embeddings"))]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
@@ -245,14 +247,26 @@ def _fsdp2(model: nn.Module, env: DistEnv) -> nn.Module:
     return fully_shard(model, mesh=mesh)
 
 
-# parallel strategy -> wrapper(model, env); FSDP1 / DeepSpeed plug in here.
+def _fsdp1(model: nn.Module, env: DistEnv) -> nn.Module:
+    """FSDP1 with use_orig_params=True, one FlatParameter per transformer block plus the root's."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    from .model import TransformerBlock
+
+    return FSDP(model, auto_wrap_policy=ModuleWrapPolicy({TransformerBlock}), use_orig_params=True,
+                device_id=env.device)
+
+
+# parallel strategy -> wrapper(model, env); DeepSpeed plugs in here.
 PARALLEL: dict[str, Callable[[nn.Module, DistEnv], nn.Module]] = {
-    "none": lambda model, env: model, "ddp": _ddp, "fsdp2": _fsdp2,
+    "none": lambda model, env: model, "ddp": _ddp, "fsdp2": _fsdp2, "fsdp1": _fsdp1,
 }
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The model's full (unsharded) state dict; a collective under FSDP2, so every rank calls it."""
+    """The model's full (unsharded) state dict; a collective under FSDP1/FSDP2, so every rank calls it
+    (FSDP1's root wrapper gathers full tensors by default; FSDP2 returns DTensors, gathered here)."""
     from torch.distributed.tensor import DTensor
 
     return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in model.state_dict().items()}
@@ -389,7 +403,10 @@ def train(cfg: TrainConfig, env: DistEnv) -> dict[str, Any]:
             flush=True,
         )
     wrapped = wrap_model(model, cfg, env)
-    optimizer = build_optimizer(cfg, model)
+    # the optimizer sees the module that owns every parameter: DDP's inner module (names without
+    # "module."), FSDP1's root wrapper (its FlatParameter views), FSDP2's sharded model itself
+    owner = wrapped.module if isinstance(wrapped, DistributedDataParallel) else wrapped
+    optimizer = build_optimizer(cfg, owner)
     scheduler = build_scheduler(cfg, optimizer)
     sampler = WindowSampler(data.train, cfg.seq_len, cfg.batch_size, seed=cfg.seed, rank=env.rank)
     log = MetricsLog(out_dir / "metrics.jsonl" if env.is_main else None)
@@ -429,7 +446,7 @@ def train(cfg: TrainConfig, env: DistEnv) -> dict[str, Any]:
     log.close()
     elapsed = time.perf_counter() - start
 
-    full = full_state_dict(model)
+    full = full_state_dict(owner)
     digests = [weights_digest(full)] * env.world_size
     if dist.is_initialized():
         dist.all_gather_object(digests, digests[0])
