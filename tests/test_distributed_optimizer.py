@@ -296,3 +296,4 @@ def test_fsdp1_use_orig_params_equals_single_process(world):
     assert names["up.bias"].startswith("fallback")
     assert sum(r[2] for r in res) == 3 * 4
     assert all(r[3] == res[0][3] for r in res)
+
