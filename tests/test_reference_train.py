@@ -51,6 +51,14 @@ def test_config_overrides_and_errors(tmp_path):
     assert opt.param_groups[0]["grad_norm"] == "mean" and opt.param_groups[1]["fallback"] == "sign"
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("path", sorted((REPO / "configs" / "train").glob("*.yaml")), ids=lambda p: p.stem)
+def test_every_shipped_config_is_valid(path):
+    cfg = load_config(path)
+    if cfg.optimizer == "swan":  # its preset exists and the optimizer accepts the options
+        build_optimizer(cfg, torch.nn.Linear(4, 4))
+
+
 @pytest.mark.timeout(30)
 def test_lr_schedule_warmup_then_cosine():
     cfg = load_config(SMOKE, ["steps=100", "warmup_ratio=0.1", "min_lr_ratio=0.2", "lr=1.0"])
