@@ -5,6 +5,10 @@ from .optimizer import FALLBACKS, SWAN
 from .presets import list_presets, load_preset
 from .selection import Rule, classify, param_groups, tag_model
 
+from .integrations.deepspeed import register_type as _register_type
+
+_register_type(SWAN)  # DeepSpeed JSON: "optimizer": {"type": "SWAN"}
+
 __version__ = "0.1.0"
 
 __all__ = [

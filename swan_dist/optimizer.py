@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from torch.optim.adam import adam as _adam_functional
 
 from swan_dist.integrations import locate
+from swan_dist.integrations.deepspeed import allow_in_zero, partition_pieces
 
 from .functional import WhitenConfig, resolve_dtype, swan_update
 from .presets import OPTIMIZER_KEYS, load_preset
@@ -146,18 +147,21 @@ class SWAN(torch.optim.Optimizer):
         self._plan_layouts: list | None = None
         self._include, self._exclude = list(include or ()), list(exclude or ())
         self._rows: list[tuple[str, tuple[int, ...], str, Rule]] = []  # for the summary, not state
+        self._origin: list[list[tuple[str, Tensor]]] = []  # per group: the (name, parameter) it was given
         self.nonfinite_skips: Counter[str] = Counter()
         self.whitened_matrices = 0  # matrices whitened so far (SWAN work done, for accounting)
         if isinstance(params, nn.Module):
             params = param_groups(params, self._include, self._exclude)
         super().__init__(params, defaults)
+        allow_in_zero(type(self))
         if verbose and _rank0():
             print(self.summary(), flush=True)
 
     # torch's Optimizer pickles only defaults/state/param_groups; keep our settings too. The plan is
     # rebuilt on the next step; a process group cannot be copied (a copy uses the default group
     # until ``process_group`` is set again).
-    _PICKLED = ("preset", "mode", "bucket_mb", "_include", "_exclude", "_rows", "nonfinite_skips", "whitened_matrices")
+    _PICKLED = ("preset", "mode", "bucket_mb", "_include", "_exclude", "_rows", "_origin", "nonfinite_skips",
+                "whitened_matrices")
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
@@ -204,6 +208,7 @@ class SWAN(torch.optim.Optimizer):
                 if names is not None:
                     g["param_names"] = ns
                 super().add_param_group(g)
+                self._origin.append(list(zip(ns, ps)))
 
     def summary(self) -> str:
         """Which parameters get SWAN and which the fallback rule, and why (layers collapsed to ``*``)."""
@@ -251,8 +256,7 @@ class SWAN(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        entries = [(g, p, name) for g in self.param_groups for p, name in self._named(g)]
-        pieces = [locate(p, name) for _, p, name in entries]
+        entries, pieces = self._entries()
         codes = self._grad_codes(pieces)
         world, group = self._world()
         layouts = None
@@ -286,6 +290,42 @@ class SWAN(torch.optim.Optimizer):
         else:
             self._swan_local(entries, pieces, [i for i in swan if i not in skip and pieces[i].grad is not None])
         return loss
+
+    def _entries(self) -> tuple[list[tuple[dict, Tensor, str]], list[Piece]]:
+        """(group, tensor, name) and this rank's piece, per parameter. Where a framework replaced a
+        group's parameters by one flat partition (DeepSpeed ZeRO-1/2, bf16), a SWAN group expands into
+        its original matrices and a fallback group is one elementwise tensor."""
+        entries, pieces = [], []
+        for gi, g in enumerate(self.param_groups):
+            origin = self._origin[gi]
+            replaced = len(origin) != len(g["params"]) or any(p is not q for (_, q), p in zip(origin, g["params"]))
+            if not replaced:
+                for p, name in self._named(g):
+                    entries.append((g, p, name))
+                    pieces.append(locate(p, name))
+                continue
+            if len(g["params"]) == len(origin) and all(
+                p.shape == q.shape for p, (_, q) in zip(g["params"], origin)
+            ):  # one-to-one copies (DeepSpeed's fp32 masters of bf16 parameters without ZeRO)
+                for p, (name, _) in zip(g["params"], origin):
+                    entries.append((g, p, name))
+                    pieces.append(locate(p, name))
+                continue
+            if len(g["params"]) != 1:
+                raise ValueError(
+                    f"swan_dist: param group {gi} was replaced by {len(g['params'])} tensors that are neither "
+                    "copies of its parameters nor one flat partition"
+                )
+            flat = g["params"][0]
+            if g["use_swan"]:
+                for name, pc in partition_pieces(origin, flat):
+                    entries.append((g, pc.param, name))
+                    pieces.append(pc)
+            else:
+                name = f"<flat partition of fallback group {gi}>"
+                entries.append((g, flat, name))
+                pieces.append(locate(flat, name))
+        return entries, pieces
 
     @staticmethod
     def _named(group: dict) -> list[tuple[Tensor, str]]:
