@@ -299,6 +299,10 @@ class SWAN(torch.optim.Optimizer):
         for gi, g in enumerate(self.param_groups):
             origin = self._origin[gi]
             replaced = len(origin) != len(g["params"]) or any(p is not q for (_, q), p in zip(origin, g["params"]))
+            if any(hasattr(q, "ds_id") for _, q in origin):
+                raise NotImplementedError(
+                    "swan_dist: DeepSpeed ZeRO-3 partitioned parameters are not supported yet; use ZeRO stage 0, 1 or 2"
+                )
             if not replaced:
                 for p, name in self._named(g):
                     entries.append((g, p, name))

@@ -102,3 +102,8 @@ def test_json_errors_name_the_bad_key():
     assert bad[0][0] == "error" and "swan_ddager" in bad[0][3] and "swan_ddagger" in bad[0][3]
     bad = run_distributed(_ds_worker, 1, 1, 1, 1, {"momentum": 0.9}, raw=True, timeout=200)
     assert bad[0][0] == "error" and "momentum" in bad[0][3]
+
+
+def test_zero3_is_refused_with_a_clear_error():
+    res = run_distributed(_ds_worker, 2, 3, 1, 1, PARAMS, raw=True, timeout=300)
+    assert all(r[0] == "error" and "ZeRO-3" in r[3] for r in res), [r[:3] if r else r for r in res]
