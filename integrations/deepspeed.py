@@ -39,6 +39,15 @@ def allow_in_zero(cls: type) -> None:
         utils.ZERO_SUPPORTED_OPTIMIZERS.append(cls)
 
 
+def refuse_zero3(originals: list[tuple[str, Tensor]]) -> None:
+    """ZeRO-3 partitions each parameter alone (``ds_id``, ``ds_shape``) and steps once per sub-group
+    with the other groups emptied: not mapped yet, so refuse it clearly (same on every rank)."""
+    if any(hasattr(p, "ds_id") for _, p in originals):
+        raise NotImplementedError(
+            "swan_dist: DeepSpeed ZeRO-3 partitioned parameters are not supported yet; use ZeRO stage 0, 1 or 2"
+        )
+
+
 def partition_pieces(originals: list[tuple[str, Tensor]], flat: Tensor) -> list[tuple[str, Piece]]:
     """This rank's piece of each original parameter inside the flat fp32 partition ``flat``."""
     out = []

@@ -5,11 +5,7 @@
 # from SLURM_NNODES, SLURM_NODEID and SLURM_JOB_NODELIST. NPROC_PER_NODE defaults to the GPU count,
 # or 1 on a CPU-only node. RDZV_ID names the job (default: SLURM_JOB_ID or "swan").
 set -euo pipefail
-cd "$(dirname "$0")/.."
-config="${1:-configs/train/main.yaml}"
-shift || true
-[ "${1:-}" = "--" ] && shift
-py="${PYTHON:-.venv/bin/python}"
+source "$(dirname "$0")/_common.sh"
 nnodes="${NNODES:-${SLURM_NNODES:-1}}"
 node_rank="${NODE_RANK:-${SLURM_NODEID:-0}}"
 if [ -z "${MASTER_ADDR:-}" ] && [ -n "${SLURM_JOB_NODELIST:-}" ]; then
@@ -17,8 +13,7 @@ if [ -z "${MASTER_ADDR:-}" ] && [ -n "${SLURM_JOB_NODELIST:-}" ]; then
 fi
 addr="${MASTER_ADDR:?set MASTER_ADDR (the first node) or run under SLURM}"
 port="${MASTER_PORT:-29500}"
-gpus=$("$py" -c 'import torch; print(torch.cuda.device_count())')
 nproc="${NPROC_PER_NODE:-$([ "$gpus" -gt 0 ] && echo "$gpus" || echo 1)}"
 exec "$py" -m torch.distributed.run --nnodes "$nnodes" --node_rank "$node_rank" --nproc_per_node "$nproc" \
   --rdzv_backend c10d --rdzv_endpoint "$addr:$port" --rdzv_id "${RDZV_ID:-${SLURM_JOB_ID:-swan}}" \
-  -m swan_dist.reference.train --config "$config" "$@"
+  -m swan_dist.reference.train --config "$config" "${args[@]}"

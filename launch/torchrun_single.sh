@@ -5,12 +5,7 @@
 # NPROC defaults to the GPU count, or 2 on a CPU-only machine. gloo on CPU, NCCL on GPU (the
 # trainer's backend: auto; override with --set backend=gloo).
 set -euo pipefail
-cd "$(dirname "$0")/.."
-config="${1:-configs/train/main.yaml}"
-shift || true
-[ "${1:-}" = "--" ] && shift
-py="${PYTHON:-.venv/bin/python}"
-gpus=$("$py" -c 'import torch; print(torch.cuda.device_count())')
+source "$(dirname "$0")/_common.sh"
 nproc="${NPROC:-$([ "$gpus" -gt 0 ] && echo "$gpus" || echo 2)}"
 exec "$py" -m torch.distributed.run --standalone --nproc_per_node "$nproc" \
-  -m swan_dist.reference.train --config "$config" "$@"
+  -m swan_dist.reference.train --config "$config" "${args[@]}"

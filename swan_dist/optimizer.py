@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from torch.optim.adam import adam as _adam_functional
 
 from swan_dist.integrations import locate
-from swan_dist.integrations.deepspeed import allow_in_zero, partition_pieces
+from swan_dist.integrations.deepspeed import allow_in_zero, partition_pieces, refuse_zero3
 
 from .functional import WhitenConfig, resolve_dtype, swan_update
 from .presets import OPTIMIZER_KEYS, load_preset
@@ -259,12 +259,21 @@ class SWAN(torch.optim.Optimizer):
         entries, pieces = self._entries()
         codes = self._grad_codes(pieces)
         world, group = self._world()
+        local = world == 1 or self._mode(world) == "local"
+        if local:  # code 3: a SWAN matrix this rank holds only part of, which local mode cannot whiten
+            codes = [3 if g["use_swan"] and not pc.whole else c for (g, _, _), pc, c in zip(entries, pieces, codes)]
         layouts = None
         if world > 1:
             ok, layouts, codes = agree_on_step(codes, self._config_hash(entries, pieces), self._layout_hash(pieces),
                                                group, self._comm_device())
             if not ok:
                 self._raise_config_mismatch(entries, pieces, group)
+        sharded = [entries[i][2] for i, c in enumerate(codes) if c == 3]
+        if sharded:  # decided from agreed codes: every rank raises
+            raise ValueError(
+                f"swan_dist: {sharded[:4]} are sharded; mode='local' needs whole matrices on every rank "
+                "(use mode='owner' or 'replicated')"
+            )
         has_grad = [c > 0 for c in codes]
         bad = [i for i, c in enumerate(codes) if c == 2]
         if bad:
@@ -285,7 +294,7 @@ class SWAN(torch.optim.Optimizer):
             if todo.get(id(g)):
                 getattr(self, f"_fallback_{g['fallback']}")(g, todo[id(g)])
         swan = [i for i, (g, _, _) in enumerate(entries) if g["use_swan"]]
-        if world > 1 and self._mode(world) != "local":
+        if not local:
             self._swan_distributed(entries, pieces, swan, skip, layouts, group)
         else:
             self._swan_local(entries, pieces, [i for i in swan if i not in skip and pieces[i].grad is not None])
@@ -299,10 +308,7 @@ class SWAN(torch.optim.Optimizer):
         for gi, g in enumerate(self.param_groups):
             origin = self._origin[gi]
             replaced = len(origin) != len(g["params"]) or any(p is not q for (_, q), p in zip(origin, g["params"]))
-            if any(hasattr(q, "ds_id") for _, q in origin):
-                raise NotImplementedError(
-                    "swan_dist: DeepSpeed ZeRO-3 partitioned parameters are not supported yet; use ZeRO stage 0, 1 or 2"
-                )
+            refuse_zero3(origin)
             if not replaced:
                 for p, name in self._named(g):
                     entries.append((g, p, name))
@@ -365,11 +371,6 @@ class SWAN(torch.optim.Optimizer):
         batches: defaultdict = defaultdict(list)
         for i in todo:
             pc = pieces[i]
-            if not pc.whole:
-                raise ValueError(
-                    f"swan_dist: {entries[i][2]!r} is sharded on this rank; mode='local' needs whole "
-                    "matrices (use mode='owner' or 'replicated')"
-                )
             if pc.grad.is_sparse:
                 raise RuntimeError("SWAN does not support sparse gradients")
             batches[(pc.shape, pc.grad.dtype, pc.grad.device, _whiten_config(entries[i][0]))].append(i)

@@ -297,3 +297,9 @@ def test_fsdp1_use_orig_params_equals_single_process(world):
     assert sum(r[2] for r in res) == 3 * 4
     assert all(r[3] == res[0][3] for r in res)
 
+
+
+def test_local_mode_on_shards_raises_on_every_rank():
+    """A 2-row matrix at W=3: rank 0 holds it whole, the others hold nothing; all ranks still raise."""
+    res = run_distributed(_fsdp2_worker, 3, "local", raw=True)
+    assert all(r[0] == "error" and r[2] == "ValueError" and "mode='local'" in r[3] for r in res), res
