@@ -107,3 +107,51 @@ def test_json_errors_name_the_bad_key():
 def test_zero3_is_refused_with_a_clear_error():
     res = run_distributed(_ds_worker, 2, 3, 1, 1, PARAMS, raw=True, timeout=300)
     assert all(r[0] == "error" and "ZeRO-3" in r[3] for r in res), [r[:3] if r else r for r in res]
+
+
+def _ckpt_worker(rank, world, stage, ckpt, phase):
+    import deepspeed
+
+    import swan_dist
+
+    torch.manual_seed(0)
+    model = Net()
+    swan_dist.tag_model(model)
+    config = {
+        "train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 10**9,
+        "optimizer": {"type": "SWAN", "params": PARAMS}, "zero_optimization": {"stage": stage},
+    }
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+
+    def train(ts):
+        for t in ts:
+            x = _batch(t, 0, world)[rank * MICRO : (rank + 1) * MICRO]
+            engine.backward(_loss(engine, x))
+            engine.step()
+
+    at_save = None
+    if phase == "save":
+        train(range(2))
+        engine.save_checkpoint(ckpt, tag="t2")
+        at_save = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    else:
+        engine.load_checkpoint(ckpt, tag="t2")
+    train(range(2, 4))
+    return {n: p.detach().clone() for n, p in engine.module.named_parameters()}, at_save
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_save_and_load_checkpoint_resume_identically(tmp_path, stage):
+    """engine.save_checkpoint / load_checkpoint resume bit-identically; the consolidated fp32
+    weights from get_fp32_state_dict_from_zero_checkpoint are the weights at save time."""
+    ckpt = str(tmp_path / "ckpt")
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    saved = run_distributed(_ckpt_worker, 2, stage, ckpt, "save", timeout=380)
+    resumed = run_distributed(_ckpt_worker, 2, stage, ckpt, "load", timeout=380)
+    final, at_save = saved[0]
+    for n, v in final.items():
+        assert torch.equal(resumed[0][0][n], v), n
+    fp32 = get_fp32_state_dict_from_zero_checkpoint(ckpt, tag="t2")  # DeepSpeed's own consolidation
+    for n, v in at_save.items():
+        assert torch.equal(fp32[n].float(), v), n
