@@ -19,6 +19,7 @@ requires), overlapping the forward exchange of bucket k+1 with the math of bucke
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -58,10 +59,7 @@ class Piece:
 
     @property
     def whole(self) -> bool:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return self.lo == 0 and self.hi == n
+        return self.lo == 0 and self.hi == math.prod(self.shape)
 
 
 @dataclass(frozen=True)
@@ -74,10 +72,7 @@ class MatrixSpec:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
     @property
     def cost(self) -> float:
@@ -261,6 +256,9 @@ class Exchange:
                       [plan.forward_segments(b, s, rank) for s in range(w)]) for b in plan.buckets]
         self._bwd = [([plan.backward_segments(b, rank, d) for d in range(w)],
                       [plan.backward_segments(b, s, rank) for s in range(w)]) for b in plan.buckets]
+        # per bucket: the ranges of each matrix this rank computes that it takes from itself
+        self._own = [{m: [(lo, hi) for r, lo, hi in cover([rg[m] for rg in plan.ranges], rank, plan.specs[m]) if r == rank]
+                      for m in b.matrices if plan.computes(rank, m, b)} for b in plan.buckets]
 
     def _dtype(self, matrices: Sequence[int]) -> torch.dtype:
         ds = {self.dtypes[m] for m in matrices}
@@ -300,7 +298,7 @@ class Exchange:
             work, recv = pending_fwd
             pending_fwd = start_forward(k + 1) if k + 1 < len(plan.buckets) else None
             work.wait()
-            full = self._assemble(k, bucket, recv, grad_piece)
+            full = self._assemble(k, recv, grad_piece)
             updates = self._compute(full, skip)
             whitened += len(updates)
             for m, u in updates.items():
@@ -318,15 +316,13 @@ class Exchange:
             self._finish_backward(*pending_bwd, skip, on_update)
         return whitened
 
-    def _assemble(self, k: int, bucket: Bucket, recv: Tensor, grad_piece) -> dict[int, Tensor]:
+    def _assemble(self, k: int, recv: Tensor, grad_piece) -> dict[int, Tensor]:
         """Full flat gradients of the matrices this rank computes in bucket k."""
-        plan, me = self.plan, self.rank
-        full = {m: torch.empty(plan.specs[m].numel, dtype=torch.float32, device=self.device)
-                for m in bucket.matrices if plan.computes(me, m, bucket)}
-        for m, buf in full.items():
-            for r, lo, hi in cover([rg[m] for rg in plan.ranges], me, plan.specs[m]):
-                if r == me:
-                    buf[lo:hi] = grad_piece(m, lo, hi)
+        full = {}
+        for m, own in self._own[k].items():
+            full[m] = buf = torch.empty(self.plan.specs[m].numel, dtype=torch.float32, device=self.device)
+            for lo, hi in own:
+                buf[lo:hi] = grad_piece(m, lo, hi)
         offset = 0
         for segs in self._fwd[k][1]:
             for m, lo, hi in segs:
