@@ -11,6 +11,7 @@ links to its part of it through ``lp._hp_mapping`` (``None`` where this rank hol
 ``lp_fragment_address`` is the contiguous range of the flattened parameter, ``hp_fragment_address``
 where it sits in the partition. SWAN splits its groups into SWAN and fallback groups, so a SWAN
 group's partition holds matrices only; the fallback rule runs elementwise on the fallback partition.
+ZeRO-3 partitions each parameter alone and steps one sub-group at a time (:func:`zero3_pieces`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import sys
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from swan_dist.routing import Piece
@@ -39,13 +41,46 @@ def allow_in_zero(cls: type) -> None:
         utils.ZERO_SUPPORTED_OPTIMIZERS.append(cls)
 
 
-def refuse_zero3(originals: list[tuple[str, Tensor]]) -> None:
-    """ZeRO-3 partitions each parameter alone (``ds_id``, ``ds_shape``) and steps once per sub-group
-    with the other groups emptied: not mapped yet, so refuse it clearly (same on every rank)."""
-    if any(hasattr(p, "ds_id") for _, p in originals):
-        raise NotImplementedError(
-            "swan_dist: DeepSpeed ZeRO-3 partitioned parameters are not supported yet; use ZeRO stage 0, 1 or 2"
+def is_zero3(originals: list[tuple[str, Tensor]]) -> bool:
+    return any(hasattr(p, "ds_id") for _, p in originals)
+
+
+def zero3_pieces(originals: list[tuple[str, Tensor]], flat: Tensor, group) -> list[tuple[str, Piece]]:
+    """ZeRO-3: this rank's piece of each parameter of the sub-group whose fp32 partition is ``flat``.
+
+    ZeRO-3 cuts every parameter alone into ``W`` partitions of ``ceil(numel / W)`` elements (the last
+    padded) and steps one sub-group (consecutive parameters of a group) at a time, with the group's
+    other sub-groups emptied. ``flat`` carries ``ds_id = "<first ds_id>_<last ds_id>"`` of its
+    sub-group and concatenates each member's partition.
+    """
+    first, _, last = str(getattr(flat, "ds_id", "")).partition("_")
+    ids = [str(getattr(p, "ds_id", None)) for _, p in originals]
+    if first not in ids or last not in ids:
+        raise ValueError(
+            f"swan_dist: a ZeRO-3 partition (ds_id={getattr(flat, 'ds_id', None)!r}) does not match the "
+            "parameters this SWAN group was built with"
         )
+    members = originals[ids.index(first) : ids.index(last) + 1]
+    sizes = [p.partition_numel() for _, p in members]
+    if sum(sizes) != flat.numel():
+        raise ValueError(
+            f"swan_dist: ZeRO-3 partition of {flat.numel()} elements, its {len(members)} parameters hold {sum(sizes)}"
+        )
+    out, offset = [], 0
+    world = dist.get_world_size(group) if dist.is_initialized() else 1
+    for (name, p), size in zip(members, sizes):
+        pg = getattr(p, "ds_process_group", None)
+        if world > 1 and dist.get_world_size(pg) != world:
+            raise ValueError(
+                f"swan_dist: ZeRO-3 partitions {name!r} over {dist.get_world_size(pg)} ranks but SWAN's "
+                f"process_group has {world}; pass SWAN(process_group=...) ZeRO's partition group"
+            )
+        lo = (dist.get_rank(pg) if world > 1 else 0) * size
+        n = max(0, min(size, p.ds_numel - lo))
+        grad = None if flat.grad is None else flat.grad.narrow(0, offset, n)
+        out.append((name, Piece(tuple(p.ds_shape), lo, lo + n, flat.narrow(0, offset, n), grad)))
+        offset += size
+    return out
 
 
 def partition_pieces(originals: list[tuple[str, Tensor]], flat: Tensor) -> list[tuple[str, Piece]]:

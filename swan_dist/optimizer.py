@@ -22,7 +22,8 @@ from torch import Tensor, nn
 from torch.optim.adam import adam as _adam_functional
 
 from swan_dist.integrations import locate
-from swan_dist.integrations.deepspeed import allow_in_zero, partition_pieces, refuse_zero3
+from swan_dist.integrations import fsdp1
+from swan_dist.integrations.deepspeed import allow_in_zero, is_zero3, partition_pieces, zero3_pieces
 
 from .functional import WhitenConfig, resolve_dtype, swan_update
 from .presets import OPTIMIZER_KEYS, load_preset
@@ -143,11 +144,12 @@ class SWAN(torch.optim.Optimizer):
         if mode not in ("auto", "owner", "replicated", "local"):
             raise ValueError(f"mode must be 'auto', 'owner', 'replicated' or 'local', got {mode!r}")
         self.mode, self.bucket_mb, self.process_group = mode, float(bucket_mb), process_group
-        self._plan: Exchange | None = None  # rebuilt from the model when layouts change; never state
-        self._plan_layouts: list | None = None
+        self._plan: Exchange | None = None  # the last plan run; plans are cached per layout, never state
+        self._plans: dict[tuple, Exchange] = {}
         self._include, self._exclude = list(include or ()), list(exclude or ())
         self._rows: list[tuple[str, tuple[int, ...], str, Rule]] = []  # for the summary, not state
         self._origin: list[list[tuple[str, Tensor]]] = []  # per group: the (name, parameter) it was given
+        self._flat_rules: dict[Tensor, tuple[bool, ...]] = {}  # FSDP1 FlatParameter -> use_swan per original
         self.nonfinite_skips: Counter[str] = Counter()
         self.whitened_matrices = 0  # matrices whitened so far (SWAN work done, for accounting)
         if isinstance(params, nn.Module):
@@ -161,7 +163,7 @@ class SWAN(torch.optim.Optimizer):
     # rebuilt on the next step; a process group cannot be copied (a copy uses the default group
     # until ``process_group`` is set again).
     _PICKLED = ("preset", "mode", "bucket_mb", "_include", "_exclude", "_rows", "_origin", "nonfinite_skips",
-                "whitened_matrices")
+                "whitened_matrices", "_flat_rules")
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
@@ -170,7 +172,9 @@ class SWAN(torch.optim.Optimizer):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
-        self.process_group, self._plan, self._plan_layouts = None, None, None
+        # unpickling: absent, so defaults; torch's load_state_dict also calls this: keep what is set
+        for key, default in (("process_group", None), ("_plan", None), ("_plans", {})):
+            self.__dict__.setdefault(key, default)
 
     # ------------------------------------------------------------------ groups and summary
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -189,18 +193,16 @@ class SWAN(torch.optim.Optimizer):
         split: dict[bool, tuple[list, list]] = {True: ([], []), False: ([], [])}
         for i, p in enumerate(raw):
             name = names[i] if names is not None else tagged_name(p)
-            shape = full_shape(p)
-            if forced is not None:
-                rule = Rule(bool(forced), f"param group use_swan={bool(forced)}")
-                if rule.use_swan and len(shape) < 2:
-                    raise ValueError(f"param group use_swan=True but {name or 'a parameter'} is {len(shape)}-D")
-            else:
-                rule = classify(name, p, self._include, self._exclude)
             label = name if name is not None else f"<unnamed {len(self._rows)}>"
-            rule_name = "SWAN" if rule.use_swan else f"fallback:{group['fallback']}"
-            self._rows.append((label, shape, rule_name, rule))
-            split[rule.use_swan][0].append(p)
-            split[rule.use_swan][1].append(label)
+            origs = fsdp1.originals(p)
+            if origs is not None:  # an FSDP1 FlatParameter: each original gets its rule; the tensor stays
+                # whole in the fallback group, whose state holds its fallback originals' elements only
+                self._flat_rules[p] = tuple(self._rule(o.name, o.name, o, forced, group) for o in origs)
+                use = False
+            else:
+                use = self._rule(name, label, p, forced, group)
+            split[use][0].append(p)
+            split[use][1].append(label)
         for use in (True, False):
             ps, ns = split[use]
             if ps or (not raw and use):
@@ -209,6 +211,18 @@ class SWAN(torch.optim.Optimizer):
                     g["param_names"] = ns
                 super().add_param_group(g)
                 self._origin.append(list(zip(ns, ps)))
+
+    def _rule(self, name: str | None, label: str, p: Any, forced: bool | None, group: dict) -> bool:
+        """Rule of one parameter (or FSDP1 original), recorded for the summary; True for SWAN."""
+        shape = full_shape(p)
+        if forced is not None:
+            rule = Rule(bool(forced), f"param group use_swan={bool(forced)}")
+            if rule.use_swan and len(shape) < 2:
+                raise ValueError(f"param group use_swan=True but {name or 'a parameter'} is {len(shape)}-D")
+        else:
+            rule = classify(name, p, self._include, self._exclude)
+        self._rows.append((label, shape, "SWAN" if rule.use_swan else f"fallback:{group['fallback']}", rule))
+        return rule.use_swan
 
     def summary(self) -> str:
         """Which parameters get SWAN and which the fallback rule, and why (layers collapsed to ``*``)."""
@@ -224,7 +238,7 @@ class SWAN(torch.optim.Optimizer):
             f"{len(self._rows) - n_swan} tensors on the fallback rule",
         ]
         for g in self.param_groups:
-            if g["use_swan"] and g["params"]:
+            if g["params"] and (g["use_swan"] or any(any(self._flat_rules.get(p, ())) for p in g["params"])):
                 dev = g["params"][0].device
                 dt = str(resolve_dtype(_whiten_config(g), dev)).replace("torch.", "")
                 head.append(
@@ -247,7 +261,27 @@ class SWAN(torch.optim.Optimizer):
         for g in sd["param_groups"]:
             for i in g["params"]:
                 sd["state"].setdefault(i, {})
+        # FSDP1 converts this dict (FSDP.optim_state_dict) expecting every original of a FlatParameter
+        # to carry state of the FlatParameter's layout: integrations/fsdp1.py explains why and how.
+        stateful = {id(p) for g in self.param_groups if not g["use_swan"] and g["fallback"] == "adamw"
+                    for p in g["params"]}
+        for i, p in enumerate(p for g in self.param_groups for p in g["params"]):
+            if p in self._flat_rules:
+                sd["state"][i] = fsdp1.dense_state(p, self._flat_rules[p], sd["state"][i])
+            elif (placeholder := fsdp1.placeholder_state(p, stateful)) is not None:
+                sd["state"][i] = placeholder
         return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torch's, then back from FSDP1's layouts (see :meth:`state_dict`): a FlatParameter's state to
+        its compact form, and the zero placeholders of stateless parameters dropped."""
+        super().load_state_dict(state_dict)
+        for g in self.param_groups:
+            for p in g["params"]:
+                if p in self._flat_rules and self.state.get(p):
+                    self.state[p] = fsdp1.compact_state(p, self._flat_rules[p], self.state[p])
+                elif g["use_swan"] or g["fallback"] != "adamw":
+                    self.state.pop(p, None)
 
     # ------------------------------------------------------------------ step
     @torch.no_grad()
@@ -262,10 +296,11 @@ class SWAN(torch.optim.Optimizer):
         local = world == 1 or self._mode(world) == "local"
         if local:  # code 3: a SWAN matrix this rank holds only part of, which local mode cannot whiten
             codes = [3 if g["use_swan"] and not pc.whole else c for (g, _, _), pc, c in zip(entries, pieces, codes)]
-        layouts = None
+        layout_key = None
         if world > 1:
-            ok, layouts, codes = agree_on_step(codes, self._config_hash(entries, pieces), self._layout_hash(pieces),
-                                               group, self._comm_device())
+            cfg_hash = self._config_hash(entries, pieces)
+            ok, layouts, codes = agree_on_step(codes, cfg_hash, self._layout_hash(pieces), group, self._comm_device())
+            layout_key = (cfg_hash, *layouts)
             if not ok:
                 self._raise_config_mismatch(entries, pieces, group)
         sharded = [entries[i][2] for i, c in enumerate(codes) if c == 3]
@@ -286,35 +321,45 @@ class SWAN(torch.optim.Optimizer):
             self.nonfinite_skips.update(names)
             warnings.warn(f"SWAN: non-finite gradient, update skipped for {names[:8]}", RuntimeWarning)
         skip = set(bad) | {i for i, h in enumerate(has_grad) if not h}
-        todo: dict[int, list[Tensor]] = defaultdict(list)  # fallback params per group, in group order
-        for i, (g, p, _) in enumerate(entries):
-            if not g["use_swan"] and i not in skip and p.grad is not None:
-                todo[id(g)].append(p)
+        todo: dict[int, list[int]] = defaultdict(list)  # fallback entries per group, in group order
+        for i, (g, _, _) in enumerate(entries):
+            if not g["use_swan"] and i not in skip and pieces[i].grad is not None:
+                todo[id(g)].append(i)
         for g in self.param_groups:
             if todo.get(id(g)):
-                getattr(self, f"_fallback_{g['fallback']}")(g, todo[id(g)])
+                idx = todo[id(g)]
+                getattr(self, f"_fallback_{g['fallback']}")(g, [entries[i][1] for i in idx], [pieces[i] for i in idx])
         swan = [i for i, (g, _, _) in enumerate(entries) if g["use_swan"]]
-        if not local:
-            self._swan_distributed(entries, pieces, swan, skip, layouts, group)
-        else:
+        if local:
             self._swan_local(entries, pieces, [i for i in swan if i not in skip and pieces[i].grad is not None])
+        elif swan:  # the agreed config hash covers the entries: every rank takes this branch or none does
+            self._swan_distributed(entries, pieces, swan, skip, layout_key, group)
         return loss
 
     def _entries(self) -> tuple[list[tuple[dict, Tensor, str]], list[Piece]]:
         """(group, tensor, name) and this rank's piece, per parameter. Where a framework replaced a
         group's parameters by one flat partition (DeepSpeed ZeRO-1/2, bf16), a SWAN group expands into
-        its original matrices and a fallback group is one elementwise tensor."""
+        its original matrices and a fallback group is one elementwise tensor; ZeRO-3 hands one sub-group's
+        partition at a time (the emptied groups have no entries this call). An FSDP1 FlatParameter
+        (``use_orig_params=False``) gives one entry per original parameter."""
         entries, pieces = [], []
         for gi, g in enumerate(self.param_groups):
             origin = self._origin[gi]
             replaced = len(origin) != len(g["params"]) or any(p is not q for (_, q), p in zip(origin, g["params"]))
-            refuse_zero3(origin)
+            if replaced and not g["params"]:  # ZeRO-3 steps one sub-group at a time, the others emptied
+                continue
             if not replaced:
+                swan_g = {**g, "use_swan": True}  # this group's options, for FlatParameters' SWAN matrices
                 for p, name in self._named(g):
+                    if p in self._flat_rules:  # FSDP1 FlatParameter: one entry per original
+                        for use, (oname, pc) in zip(self._flat_rules[p], fsdp1.flat_pieces(p, self._flat_rules[p])):
+                            entries.append((swan_g if use else g, p, oname))
+                            pieces.append(pc)
+                        continue
                     entries.append((g, p, name))
                     pieces.append(locate(p, name))
                 continue
-            if len(g["params"]) == len(origin) and all(
+            if not is_zero3(origin) and len(g["params"]) == len(origin) and all(
                 p.shape == q.shape for p, (_, q) in zip(g["params"], origin)
             ):  # one-to-one copies (DeepSpeed's fp32 masters of bf16 parameters without ZeRO)
                 for p, (name, _) in zip(g["params"], origin):
@@ -328,7 +373,8 @@ class SWAN(torch.optim.Optimizer):
                 )
             flat = g["params"][0]
             if g["use_swan"]:
-                for name, pc in partition_pieces(origin, flat):
+                found = zero3_pieces(origin, flat, self._world()[1]) if is_zero3(origin) else partition_pieces(origin, flat)
+                for name, pc in found:
                     entries.append((g, pc.param, name))
                     pieces.append(pc)
             else:
@@ -383,16 +429,20 @@ class SWAN(torch.optim.Optimizer):
                     self._apply(entries[i][0], pieces[i].param, u.reshape(-1))
                 self.whitened_matrices += len(chunk) * max(1, torch.Size(shape[:-2]).numel())
 
-    def _swan_distributed(self, entries, pieces, swan, skip, layouts, group) -> None:
-        """Owner / replicated engine: whiten each matrix on its owner(s), updates back to the holders."""
-        if self._plan is None or self._plan_layouts != layouts:
+    def _swan_distributed(self, entries, pieces, swan, skip, layout_key, group) -> None:
+        """Owner / replicated engine: whiten each matrix on its owner(s), updates back to the holders.
+        Plans are cached per (config, layouts): ZeRO-3 steps each sub-group alone, each with its plan."""
+        self._plan = self._plans.get(layout_key)
+        if self._plan is None:
             specs = [MatrixSpec(entries[i][2], pieces[i].shape, _whiten_config(entries[i][0])) for i in swan]
             ranges: list = [None] * dist.get_world_size(group)
             dist.all_gather_object(ranges, [(pieces[i].lo, pieces[i].hi) for i in swan], group=group)
             plan = build_plan(specs, ranges, self._mode(len(ranges)), int(self.bucket_mb * 2**20))
             dtypes = [entries[i][1].dtype for i in swan]
             self._plan = Exchange(plan, dist.get_rank(group), group, self._comm_device(), dtypes)
-            self._plan_layouts = layouts
+            if len(self._plans) >= 64:  # layouts that keep changing (re-sharding): do not grow without bound
+                self._plans.clear()
+            self._plans[layout_key] = self._plan
         local_skip = {m for m, i in enumerate(swan) if i in skip}
 
         def on_update(m: int, u: Tensor) -> None:
@@ -450,10 +500,30 @@ class SWAN(torch.optim.Optimizer):
                     )
         raise ValueError("swan_dist: optimizer config differs between ranks")
 
-    def _fallback_adamw(self, group: dict, params: list[Tensor]) -> None:
+    # ------------------------------------------------------------------ fallback rules
+    # Each takes the fallback entries' tensors and pieces. A piece of an FSDP1 FlatParameter
+    # (``fsdp1.FlatPiece``) is updated through its views of the shard, its state lives in the
+    # FlatParameter's compact state; any other tensor is updated itself, with ``self.state[p]``.
+    @staticmethod
+    def _targets(params: list[Tensor], pieces: list[Piece]) -> list[tuple[Tensor, Tensor]]:
+        return [(pc.param, pc.grad) if isinstance(pc, fsdp1.FlatPiece) else (p, p.grad)
+                for p, pc in zip(params, pieces)]
+
+    def _fallback_adamw(self, group: dict, params: list[Tensor], pieces: list[Piece]) -> None:
+        """AdamW. A FlatParameter's state holds its fallback originals' elements only (SWAN matrices
+        keep none) and one step count per original, so each original is skipped or updated alone."""
         exp_avgs, exp_avg_sqs, steps = [], [], []
-        for p in params:
+        for p, pc in zip(params, pieces):
             st = self.state[p]
+            if isinstance(pc, fsdp1.FlatPiece):
+                if not st:
+                    st.update(step=torch.zeros(pc.counts), exp_avg=p.new_zeros(pc.size),
+                              exp_avg_sq=p.new_zeros(pc.size))
+                j, a, b = pc.slot
+                exp_avgs.append(st["exp_avg"][a:b])
+                exp_avg_sqs.append(st["exp_avg_sq"][a:b])
+                steps.append(st["step"][j])
+                continue
             if not st:
                 st["step"] = torch.tensor(0.0)
                 st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
@@ -462,22 +532,23 @@ class SWAN(torch.optim.Optimizer):
             exp_avg_sqs.append(st["exp_avg_sq"])
             steps.append(st["step"])
         b1, b2 = group["betas"]
+        targets = self._targets(params, pieces)
         _adam_functional(
-            params, [p.grad for p in params], exp_avgs, exp_avg_sqs, [], steps,
+            [t for t, _ in targets], [g for _, g in targets], exp_avgs, exp_avg_sqs, [], steps,
             decoupled_weight_decay=True, amsgrad=False, beta1=b1, beta2=b2, lr=group["lr"],
             weight_decay=group["weight_decay"], eps=group["eps"], maximize=False,
         )
 
-    def _fallback_sign(self, group: dict, params: list[Tensor]) -> None:
+    def _fallback_sign(self, group: dict, params: list[Tensor], pieces: list[Piece]) -> None:
         lr, wd = float(group["lr"]), float(group["weight_decay"])
-        for p in params:
+        for p, g in self._targets(params, pieces):
             if wd:
                 p.mul_(1.0 - lr * wd)
-            p.add_(p.grad.sign(), alpha=-lr)
+            p.add_(g.sign(), alpha=-lr)
 
-    def _fallback_sgd(self, group: dict, params: list[Tensor]) -> None:
+    def _fallback_sgd(self, group: dict, params: list[Tensor], pieces: list[Piece]) -> None:
         lr, wd = float(group["lr"]), float(group["weight_decay"])
-        for p in params:
+        for p, g in self._targets(params, pieces):
             if wd:
                 p.mul_(1.0 - lr * wd)
-            p.add_(p.grad, alpha=-lr)
+            p.add_(g, alpha=-lr)

@@ -56,7 +56,9 @@ def classify(
     include: Sequence[str] | None = None,
     exclude: Sequence[str] | None = None,
 ) -> Rule:
-    """Rule for one parameter from its name and tensor (steps 2-4 of the precedence above)."""
+    """Rule for one parameter from its name and tensor (steps 2-4 of the precedence above). ``param``
+    may also be an FSDP1 FlatParameter's original (``integrations.fsdp1.Original``: only its shape and
+    tag are read)."""
     ndim = len(full_shape(param))
     if (p := _search(exclude, name)) is not None:
         return Rule(False, f"matches exclude pattern {p!r}")
@@ -99,8 +101,9 @@ def tag_model(
     ``nn.Embedding`` weights, norms and biases take the fallback rule. Returns ``{name: Rule}``.
     """
     from swan_dist.integrations import prepare
+    from swan_dist.integrations.fsdp1 import originals
 
-    prepare(model)  # adapters record full shapes of flat parameter views (FSDP1)
+    prepare(model)  # adapters record full shapes of flat views, FlatParameters' originals (FSDP1)
     embed_ids = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     by_id: dict[int, tuple[nn.Module, str]] = {}
     for mod_name, mod in model.named_modules():
@@ -108,21 +111,23 @@ def tag_model(
             by_id.setdefault(id(p), (mod, pname))
     rules: dict[str, Rule] = {}
     for name, p in model.named_parameters():
-        name = clean_name(name)
-        mod, pname = by_id[id(p)]
-        rule = classify(name, p, include, exclude)
-        user_matched = _search(exclude, name) or _search(include, name)
-        if not user_matched:
-            if id(p) in embed_ids:
-                rule = Rule(False, "nn.Embedding weight" + (" (tied with the output head)"
-                                                             if not isinstance(mod, nn.Embedding) else ""))
-            elif isinstance(mod, nn.Linear) and pname == "weight" and rule.use_swan:
-                rule = Rule(True, "nn.Linear weight")
-            elif len(full_shape(p)) == 2 and rule.use_swan:
-                rule = Rule(True, f"2-D weight of {type(mod).__name__}")
-        setattr(p, _TAG, rule)
-        setattr(p, _NAME_TAG, name)
-        rules[name] = rule
+        origs = originals(p)  # an FSDP1 FlatParameter stands for its originals: tag those
+        targets = ([(o.name, o, o.module, o.param_name, o.embedding) for o in origs] if origs is not None
+                   else [(clean_name(name), p, *by_id[id(p)], id(p) in embed_ids)])
+        for name, t, mod, pname, embedding in targets:
+            rule = classify(name, t, include, exclude)
+            user_matched = _search(exclude, name) or _search(include, name)
+            if not user_matched:
+                if embedding:
+                    rule = Rule(False, "nn.Embedding weight" + (" (tied with the output head)"
+                                                                 if not isinstance(mod, nn.Embedding) else ""))
+                elif isinstance(mod, nn.Linear) and pname == "weight" and rule.use_swan:
+                    rule = Rule(True, "nn.Linear weight")
+                elif len(full_shape(t)) == 2 and rule.use_swan:
+                    rule = Rule(True, f"2-D weight of {type(mod).__name__}")
+            setattr(t, _TAG, rule)
+            setattr(t, _NAME_TAG, name)
+            rules[name] = rule
     return rules
 
 

@@ -6,12 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from dist_utils import run_distributed
 from swan_dist import SWAN
-from swan_dist.selection import clean_name
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -262,41 +260,7 @@ def test_dcp_checkpoint_saved_at_2_resumes_identically_at_1_and_4(tmp_path):
             assert torch.allclose(resumed[0][0][n], v, atol=2e-6), (world, n)
 
 
-# ---------------------------------------------------------------------------------------- FSDP1
-def _fsdp1_worker(rank, world):
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
-
-    opts = dict(preset="swan_ddagger", lr=0.05)
-    torch.manual_seed(0)
-    model = FSDP(Net(), auto_wrap_policy=ModuleWrapPolicy({nn.Linear}), use_orig_params=True,
-                 device_id=torch.device("cpu"))
-    opt = SWAN(model, verbose=rank == 0, bucket_mb=0.0001, **opts)
-    names = {n: rule for n, _, rule, _ in opt._rows}
-    for t in range(3):
-        grads = _global_grads(Net(), t)
-        for n, p in model.named_parameters():
-            lo, hi = p._swan_range
-            p.grad = grads[clean_name(n)].reshape(-1)[lo:hi].clone() if hi > lo else None
-        opt.step()
-    ref = _reference(_global_grads, opts, range(3))
-    with FSDP.summon_full_params(model):
-        got = {clean_name(n): p.detach().clone() for n, p in model.named_parameters()}
-    err = max((got[n] - p.detach()).abs().max().item() for n, p in ref.named_parameters())
-    return err, names, opt.whitened_matrices, [b.owners for b in opt._plan.plan.buckets] if opt._plan else None
-
-
-@pytest.mark.parametrize("world", [2, 3, 4])
-def test_fsdp1_use_orig_params_equals_single_process(world):
-    """FlatParameter shards cut through rows and matrices; some ranks hold none of a parameter."""
-    res = run_distributed(_fsdp1_worker, world)
-    assert max(r[0] for r in res) < 2e-5, res
-    names = res[0][1]
-    assert names["up.weight"] == "SWAN" and names["tok_embeddings.weight"].startswith("fallback")
-    assert names["up.bias"].startswith("fallback")
-    assert sum(r[2] for r in res) == 3 * 4
-    assert all(r[3] == res[0][3] for r in res)
-
+# FSDP1: tests/test_fsdp1.py
 
 
 def test_local_mode_on_shards_raises_on_every_rank():

@@ -61,3 +61,43 @@ def test_two_node_loopback_matches_single_node(tmp_path):
     wa, wb = torch.load(tmp_path / "single" / "model.pt"), torch.load(tmp_path / "multi" / "model.pt")
     for k in wa:
         assert torch.allclose(wa[k], wb[k], atol=1e-5), k
+
+
+DS_ARGS = ["--set", "parallel=deepspeed", f"deepspeed_config={REPO / 'configs' / 'deepspeed' / 'zero2.json'}",
+           "optimizer=swan", "lr=null", "steps=6", "eval_every=3", "save_model=true"]
+
+
+@pytest.mark.timeout(300)
+def test_deepspeed_launcher_hostfile_two_nodes_matches_one_node(tmp_path):
+    """launch/deepspeed.sh: one node with 2 processes, and a hostfile of two 1-slot "nodes" each started
+    with NO_SSH=1 and its NODE_RANK (DeepSpeed's --no_ssh mode), reach the same weights under ZeRO-2."""
+    smoke = str(REPO / "configs" / "train" / "smoke.yaml")
+    script = str(REPO / "launch" / "deepspeed.sh")
+    single = subprocess.run(["bash", script, smoke, "--", *DS_ARGS, f"out_dir={tmp_path / 'single'}"],
+                            env=_env(NPROC="2", MASTER_PORT=str(_port())), capture_output=True, text=True, timeout=240)
+    assert single.returncode == 0, single.stdout[-2000:] + single.stderr[-3000:]
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("node-a slots=1\nnode-b slots=1\n")
+    port = _port()
+    nodes = [
+        subprocess.Popen(
+            ["bash", script, smoke, "--", *DS_ARGS, f"out_dir={tmp_path / 'multi'}"],
+            env=_env(HOSTFILE=str(hostfile), NO_SSH="1", NODE_RANK=str(n), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)),
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        for n in range(2)
+    ]
+    try:
+        outs = [p.communicate(timeout=240)[0] for p in nodes]
+    finally:
+        for p in nodes:
+            p.kill()
+    assert all(p.returncode == 0 for p in nodes), "\n".join(o[-3000:] for o in outs)
+    a = json.loads((tmp_path / "single" / "summary.json").read_text())
+    b = json.loads((tmp_path / "multi" / "summary.json").read_text())
+    assert a["parallel"] == b["parallel"] == "deepspeed" and a["world_size"] == b["world_size"] == 2
+    assert b["whitened_matrices"] == a["whitened_matrices"] == 6 * 7 * 2
+    assert abs(a["final_val_loss"] - b["final_val_loss"]) < 1e-5
+    wa, wb = torch.load(tmp_path / "single" / "model.pt"), torch.load(tmp_path / "multi" / "model.pt")
+    for k in wa:
+        assert torch.equal(wa[k], wb[k]), k

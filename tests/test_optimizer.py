@@ -3,14 +3,13 @@ torch optimizer conventions, bad input, presets, and short runs in which the los
 
 import copy
 import math
-import warnings
 
 import pytest
 import torch
 from torch import nn
 
 import swan_dist
-from swan_dist import SWAN, WhitenConfig, swan_update
+from swan_dist import SWAN, swan_update
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -186,6 +185,11 @@ def test_torch_optimizer_conventions():
     for a, b in zip(model.parameters(), clone["m"].parameters()):
         assert torch.equal(a, b)
     assert not torch.equal(twin_model.layers[0].up.weight, model.layers[0].up.weight)
+    group = object()  # stands for a data-parallel ProcessGroup (not touched without torch.distributed)
+    opt.process_group = group
+    opt.load_state_dict(opt.state_dict())  # torch calls __setstate__ here: the group must survive
+    assert opt.process_group is group and copy.deepcopy(opt).process_group is None
+    opt.process_group = None
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5)
     assert [g["lr"] for g in opt.param_groups] == [0.005, 0.005]
     w = model.layers[0].up.weight
@@ -303,3 +307,29 @@ def test_short_run_loss_falls_with_each_preset(preset):
         opt.step()
         losses.append(loss.item())
     assert sum(losses[-5:]) / 5 < 0.6 * sum(losses[:5]) / 5, losses[::10]
+
+
+def test_state_bytes_count_the_fallback_moments_only():
+    """swan_dist.memory.state_bytes: AdamW holds 2 fp32 moments (+ a 4-byte step) per tensor; SWAN‡
+    holds them for the fallback tensors only, none with a stateless fallback; no wrapper, no masters."""
+    from swan_dist.memory import state_bytes
+
+    x = torch.randint(0, 50, (4, 9))
+    sizes = {}
+    for name, make in {
+        "adamw": lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3),
+        "swan": lambda m: SWAN(m, verbose=False),
+        "swan_sign": lambda m: SWAN(m, fallback="sign", verbose=False),
+    }.items():
+        model = Toy()
+        opt = make(model)
+        _loss(model, x).backward()
+        opt.step()
+        sizes[name] = state_bytes(opt)
+        fallback = [p for n, p in model.named_parameters() if _rules(opt).get(n, "fallback") != "SWAN"] \
+            if isinstance(opt, SWAN) else list(model.parameters())
+        if name != "swan_sign":
+            assert sizes[name]["optimizer_state"] == sum(8 * p.numel() + 4 for p in fallback), name
+    assert sizes["swan_sign"] == {"optimizer_state": 0, "master_weights": 0}
+    assert sizes["adamw"]["master_weights"] == 0
+    assert sizes["swan"]["optimizer_state"] < sizes["adamw"]["optimizer_state"]

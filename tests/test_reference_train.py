@@ -113,8 +113,10 @@ def test_ddp_world_size_one_in_process(tmp_path):
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("parallel", ["ddp", "fsdp2", "fsdp1"])
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp2", "fsdp1", "deepspeed:zero0", "deepspeed:zero1", "deepspeed:zero2",
+                                      "deepspeed:zero3", "deepspeed:zero3_offload"])
 def test_torchrun_two_process(tmp_path, parallel):
+    parallel, _, ds_json = parallel.partition(":")
     out = tmp_path / parallel
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
@@ -122,6 +124,8 @@ def test_torchrun_two_process(tmp_path, parallel):
         "--set", f"out_dir={out}", f"parallel={parallel}", "optimizer=swan", "lr=null", "steps=20", "eval_every=10",
         "grad_accum=2", "save_model=true", "swan_mode=owner",
     ]  # fmt: skip
+    if ds_json:
+        cmd.append(f"deepspeed_config={REPO / 'configs' / 'deepspeed' / ds_json}.json")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=220)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -136,3 +140,10 @@ def test_torchrun_two_process(tmp_path, parallel):
     # owner mode: each SWAN matrix (7 per block) whitened once per optimizer step, across both ranks
     n_layers = summary["model"].get("n_layers", 4) if isinstance(summary["model"], dict) else 4
     assert summary["whitened_matrices"] == 20 * 7 * n_layers
+    # AdamW state (2 fp32 moments) for the fallback tensors only: embeddings, head, norms; none for SWAN
+    dim, vocab = 128, 8192
+    fallback = 2 * vocab * dim + (2 * n_layers + 1) * dim
+    copies = 2 if parallel == "ddp" or ds_json == "zero0" else 1  # replicated, or sharded over the 2 ranks
+    assert copies * 8 * fallback <= summary["optimizer_state"] <= copies * 8 * fallback + 4096, summary
+    if ds_json and ds_json != "zero0":  # DeepSpeed's fp32 master partitions, counted apart
+        assert 4 * summary["n_params"] <= summary["master_weights"] <= 4 * summary["n_params"] + 4096

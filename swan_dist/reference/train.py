@@ -30,6 +30,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
+from swan_dist.memory import client_optimizer, state_bytes
 from swan_dist.selection import clean_name
 
 from .data import TextData, WindowSampler, build_data, eval_batches
@@ -62,7 +63,8 @@ class TrainConfig:
     out_dir: str = "runs/default"
     save_model: bool = True  # rank 0 writes out_dir/model.pt (state dict of the unwrapped model)
     seed: int = 0
-    parallel: str = "none"  # none | ddp | fsdp2 | fsdp1
+    parallel: str = "none"  # none | ddp | fsdp2 | fsdp1 | deepspeed
+    deepspeed_config: str | None = None  # parallel: deepspeed: a DeepSpeed JSON (configs/deepspeed/)
     swan_mode: str = "auto"  # SWAN engine: auto (owner when world > 1) | owner | replicated | local
     bucket_mb: float = 256.0  # SWAN engine: full fp32 matrices one owner assembles per bucket
     swan_options: dict[str, Any] = field(default_factory=dict)  # more swan_dist.SWAN keyword arguments
@@ -92,6 +94,10 @@ class TrainConfig:
         for name in ("steps", "batch_size", "grad_accum", "seq_len", "eval_every", "eval_batches", "log_every"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"config {name} must be >= 1")
+        if (self.parallel == "deepspeed") != (self.deepspeed_config is not None):
+            raise ValueError("config deepspeed_config is required with parallel: deepspeed, and only then")
+        if self.deepspeed_config is not None:
+            deepspeed_json(self)  # the file exists, parses, and agrees with the trainer's keys
 
 
 def _set_key(tree: dict[str, Any], dotted: str, value: Any) -> None:
@@ -122,7 +128,61 @@ def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] 
     unknown = sorted(set(raw) - known)
     if unknown:
         raise ValueError(f"unknown config key(s) {unknown}{f' in {path}' if path else ''}; valid keys: {sorted(known)}")
+    if isinstance(raw.get("deepspeed_config"), str) and path is not None:
+        raw["deepspeed_config"] = _find_relative(raw["deepspeed_config"], Path(path))
     return TrainConfig(**raw)
+
+
+def _find_relative(name: str, yaml_path: Path) -> str:
+    """A relative path as written (from the working directory), else from the YAML's folder or one of
+    its parents (``configs/deepspeed/zero2.json`` written in ``configs/train/x.yaml`` finds the repo's)."""
+    if Path(name).is_absolute() or Path(name).exists():
+        return name
+    for folder in yaml_path.resolve().parents:
+        if (folder / name).exists():
+            return str(folder / name)
+    return name
+
+
+# Keys of the DeepSpeed JSON that the trainer's own config decides.
+_DS_FROM_TRAINER = {
+    "train_micro_batch_size_per_gpu": "batch_size", "gradient_accumulation_steps": "grad_accum",
+    "gradient_clipping": "grad_clip",
+}
+
+
+def deepspeed_json(cfg: TrainConfig) -> dict[str, Any]:
+    """The DeepSpeed config for ``cfg``: the JSON file, with batch size, accumulation, clipping and bf16
+    from the trainer's keys, and the optimizer block filled from the trainer's where the JSON leaves
+    keys out. A JSON value that contradicts the trainer's is an error naming both keys."""
+    path = Path(cfg.deepspeed_config)
+    if not path.exists():
+        raise ValueError(f"config deepspeed_config: {path} does not exist")
+    try:
+        ds = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"config deepspeed_config: {path} is not valid JSON: {e}") from None
+    for key, trainer_key in _DS_FROM_TRAINER.items():
+        if key in ds and ds[key] != getattr(cfg, trainer_key):
+            raise ValueError(f"{path}: {key}={ds[key]!r} contradicts the trainer's {trainer_key}={getattr(cfg, trainer_key)!r}")
+        ds[key] = getattr(cfg, trainer_key)
+    bf16 = ds.setdefault("bf16", {})
+    if bf16.setdefault("enabled", cfg.dtype == "bfloat16") != (cfg.dtype == "bfloat16"):
+        raise ValueError(f"{path}: bf16.enabled={bf16['enabled']!r} contradicts the trainer's dtype={cfg.dtype!r}")
+    opt = ds.setdefault("optimizer", {"type": "SWAN" if cfg.optimizer == "swan" else "AdamW"})
+    if str(opt.get("type", "")).lower() != cfg.optimizer:
+        raise ValueError(f"{path}: optimizer.type={opt.get('type')!r} but the trainer's optimizer={cfg.optimizer!r}")
+    params = opt.setdefault("params", {})
+    if cfg.optimizer == "swan":
+        filled = {"preset": cfg.preset, "lr": cfg.lr, "weight_decay": cfg.weight_decay, "fallback": cfg.fallback,
+                  "mode": cfg.swan_mode, "bucket_mb": cfg.bucket_mb, **cfg.swan_options}
+    else:
+        filled = {"lr": cfg.lr if cfg.lr is not None else 1e-3, "betas": [0.9, 0.95], "weight_decay": cfg.weight_decay}
+    for key, value in filled.items():
+        if value is not None:
+            params.setdefault(key, value)
+    ds.setdefault("steps_per_print", 10**9)
+    return ds
 
 
 # --------------------------------------------------------------------------- distributed setup
@@ -258,10 +318,25 @@ def _fsdp1(model: nn.Module, env: DistEnv) -> nn.Module:
                 device_id=env.device)
 
 
-# parallel strategy -> wrapper(model, env); DeepSpeed plugs in here.
+# parallel strategy -> wrapper(model, env); DeepSpeed builds its engine with the optimizer (below).
 PARALLEL: dict[str, Callable[[nn.Module, DistEnv], nn.Module]] = {
-    "none": lambda model, env: model, "ddp": _ddp, "fsdp2": _fsdp2, "fsdp1": _fsdp1,
+    "none": lambda model, env: model, "ddp": _ddp, "fsdp2": _fsdp2, "fsdp1": _fsdp1, "deepspeed": lambda m, e: m,
 }
+
+
+def deepspeed_engine(model: nn.Module, cfg: TrainConfig):
+    """``deepspeed.initialize`` with :func:`deepspeed_json`: the engine builds the optimizer from the
+    JSON's ``"type"`` (``SWAN`` resolves through ``import swan_dist``) and steps our lr schedule."""
+    import deepspeed
+
+    import swan_dist
+
+    swan_dist.tag_model(model)  # DeepSpeed hands the optimizer bare parameters: keep the module-type rules
+    engine, optimizer, _, scheduler = deepspeed.initialize(
+        model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
+        config=deepspeed_json(cfg), lr_scheduler=lambda opt: build_scheduler(cfg, opt),
+    )
+    return engine, optimizer, scheduler
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -269,6 +344,12 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     (FSDP1's root wrapper gathers full tensors by default; FSDP2 returns DTensors, gathered here)."""
     from torch.distributed.tensor import DTensor
 
+    params = list(model.parameters())
+    if any(hasattr(p, "ds_id") for p in params):  # DeepSpeed ZeRO-3 partitions: gather them
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(params):
+            return {k: v.clone() for k, v in model.state_dict().items()}
     return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in model.state_dict().items()}
 
 
@@ -277,7 +358,9 @@ def wrap_model(model: nn.Module, cfg: TrainConfig, env: DistEnv) -> nn.Module:
 
 
 def _autocast(cfg: TrainConfig, env: DistEnv):
-    return torch.autocast(env.device.type, dtype=torch.bfloat16, enabled=cfg.dtype == "bfloat16")
+    """bf16 autocast; DeepSpeed keeps bf16 weights itself (its JSON's ``bf16``)."""
+    enabled = cfg.dtype == "bfloat16" and cfg.parallel != "deepspeed"
+    return torch.autocast(env.device.type, dtype=torch.bfloat16, enabled=enabled)
 
 
 @torch.no_grad()
@@ -336,6 +419,15 @@ def train_step(
     """One optimizer step over ``grad_accum`` micro-batches; returns this rank's mean loss (detached)."""
     from torch.distributed.fsdp import FSDPModule
 
+    if cfg.parallel == "deepspeed":  # the engine scales by grad_accum, clips, steps at the boundary
+        mean_loss = torch.zeros((), device=env.device)
+        for _ in range(cfg.grad_accum):
+            x, y = next(sampler)
+            _, loss = wrapped(x.to(env.device), y.to(env.device))
+            wrapped.backward(loss)
+            wrapped.step()
+            mean_loss += loss.detach().float() / cfg.grad_accum
+        return mean_loss
     ddp = isinstance(wrapped, DistributedDataParallel)
     mean_loss = torch.zeros((), device=env.device)
     for micro in range(cfg.grad_accum):
@@ -376,7 +468,7 @@ class MetricsLog:
 
 
 def _whitened(optimizer: torch.optim.Optimizer, env: DistEnv) -> int | None:
-    count = getattr(optimizer, "whitened_matrices", None)
+    count = getattr(client_optimizer(optimizer), "whitened_matrices", None)
     if count is None:
         return None
     return int(_all_reduce_sum(torch.tensor(float(count), device=env.device)).item())
@@ -392,22 +484,27 @@ def train(cfg: TrainConfig, env: DistEnv) -> dict[str, Any]:
 
     torch.manual_seed(cfg.seed)
     model = build_model(cfg, data.vocab_size).to(env.device)
+    n_params = model.num_params()  # before wrapping: ZeRO-3 leaves empty partitions behind
     tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum * env.world_size
     if env.is_main:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "config.yaml").write_text(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
         print(
-            f"model {cfg.model}: {model.num_params() / 1e6:.2f}M params | data {data.path} "
+            f"model {cfg.model}: {n_params / 1e6:.2f}M params | data {data.path} "
             f"({len(data.train):,} train / {len(data.val):,} val tokens) | "
             f"world {env.world_size} on {env.device} | {tokens_per_step:,} tokens/step",
             flush=True,
         )
-    wrapped = wrap_model(model, cfg, env)
-    # the optimizer sees the module that owns every parameter: DDP's inner module (names without
-    # "module."), FSDP1's root wrapper (its FlatParameter views), FSDP2's sharded model itself
-    owner = wrapped.module if isinstance(wrapped, DistributedDataParallel) else wrapped
-    optimizer = build_optimizer(cfg, owner)
-    scheduler = build_scheduler(cfg, optimizer)
+    if cfg.parallel == "deepspeed":
+        wrapped, optimizer, scheduler = deepspeed_engine(model, cfg)
+        owner = wrapped.module
+    else:
+        wrapped = wrap_model(model, cfg, env)
+        # the optimizer sees the module that owns every parameter: DDP's inner module (names without
+        # "module."), FSDP1's root wrapper (its FlatParameter views), FSDP2's sharded model itself
+        owner = wrapped.module if isinstance(wrapped, DistributedDataParallel) else wrapped
+        optimizer = build_optimizer(cfg, owner)
+        scheduler = build_scheduler(cfg, optimizer)
     sampler = WindowSampler(data.train, cfg.seq_len, cfg.batch_size, seed=cfg.seed, rank=env.rank)
     log = MetricsLog(out_dir / "metrics.jsonl" if env.is_main else None)
 
@@ -454,7 +551,7 @@ def train(cfg: TrainConfig, env: DistEnv) -> dict[str, Any]:
         "optimizer": cfg.optimizer,
         "preset": cfg.preset if cfg.optimizer == "swan" else None,
         "model": cfg.model,
-        "n_params": model.num_params(),
+        "n_params": n_params,
         "parallel": cfg.parallel,
         "world_size": env.world_size,
         "device": str(env.device),
@@ -467,6 +564,9 @@ def train(cfg: TrainConfig, env: DistEnv) -> dict[str, Any]:
         "final_train_loss": log.rows[-1]["train_loss"],
         "weights_sha1": digests,  # one per rank; data parallelism must keep them equal
         "whitened_matrices": _whitened(optimizer, env),  # SWAN: matrices whitened, summed over ranks
+        # bytes summed over ranks: the optimizer's state, and a wrapper's fp32 masters (DeepSpeed's)
+        **{k: int(_all_reduce_sum(torch.tensor(float(v), device=env.device)).item())
+           for k, v in state_bytes(optimizer).items()},
     }
     if env.is_main:
         if cfg.save_model:
@@ -483,6 +583,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--config", help="YAML config (see configs/train/)")
     parser.add_argument("--set", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
                         help="override config keys, e.g. --set steps=50 model.n_layers=2 lr=3e-3")  # fmt: skip
+    parser.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)  # the deepspeed launcher's; LOCAL_RANK is read
     args = parser.parse_args(argv)
     cfg = load_config(args.config, args.set)
     env = setup_distributed(cfg)
