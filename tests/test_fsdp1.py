@@ -266,3 +266,45 @@ def test_dcp_checkpoint_saved_at_2_resumes_identically_at_1_and_4(tmp_path):
                 assert compact, (world, layout)
                 for n, v in saved[0][layout][0].items():
                     assert torch.allclose(got[n], v, atol=2e-6), (world, layout, n)
+
+
+def _full_sd_worker(rank, world, root, phase):
+    """As :func:`_dcp_worker`, through FSDP1's FULL_STATE_DICT type: rank 0 writes one torch.save file
+    with whole tensors (``full_state_dict=True``), every rank of another world size loads it."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+    out = {}
+    # (cpu_offload=True segfaults in torch 2.13 on a CPU-device FSDP1 model, in the *model* state dict,
+    # with no optimizer involved; tensors are on the CPU anyway)
+    full = StateDictOptions(full_state_dict=True)
+    for orig, per_linear in LAYOUTS[:2]:
+        model = _wrap(orig, per_linear=per_linear)
+        opt = SWAN(model, verbose=False, **ADAMW)
+        path = f"{root}/full_{orig}.pt"
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            if phase == "save":
+                for t in range(2):
+                    _set_grads(model, _nan_grads(Net(), t))
+                    opt.step()
+                msd, osd = get_state_dict(model, opt, options=full)
+                if rank == 0:
+                    torch.save({"model": msd, "optim": osd}, path)
+            else:
+                state = torch.load(path, weights_only=False)
+                set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                               options=StateDictOptions(full_state_dict=True))
+            for t in range(2, 4):
+                _set_grads(model, _nan_grads(Net(), t))
+                opt.step()
+        out[orig] = _full(model)
+    return out
+
+
+@pytest.mark.filterwarnings("ignore:SWAN. non-finite gradient:RuntimeWarning")
+def test_full_state_dict_saved_at_2_resumes_identically_at_3(tmp_path):
+    saved = run_distributed(_full_sd_worker, 2, str(tmp_path), "save")
+    resumed = run_distributed(_full_sd_worker, 3, str(tmp_path), "load")
+    for orig in (True, False):
+        for n, v in saved[0][orig].items():
+            assert torch.allclose(resumed[0][orig][n], v, atol=2e-6), (orig, n)
