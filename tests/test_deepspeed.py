@@ -72,7 +72,7 @@ def _reference(world, gas, steps, params=PARAMS):
     return {n: p.detach() for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("stage,gas", [(0, 1), (1, 1), (2, 1), (2, 4), (3, 1), (3, 4)])
+@pytest.mark.parametrize("stage,gas", [(0, 1), (0, 4), (1, 1), (1, 4), (2, 1), (2, 4), (3, 1), (3, 4)])
 def test_zero_stage_equals_single_process(stage, gas):
     steps = 3
     res = run_distributed(_ds_worker, 2, stage, gas, steps, PARAMS, timeout=380)

@@ -113,10 +113,11 @@ def test_ddp_world_size_one_in_process(tmp_path):
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("parallel", ["ddp", "fsdp2", "fsdp1", "deepspeed:zero0", "deepspeed:zero1", "deepspeed:zero2",
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp2", "fsdp1", "fsdp1:flat", "deepspeed:zero0", "deepspeed:zero1", "deepspeed:zero2",
                                       "deepspeed:zero3", "deepspeed:zero3_offload"])
 def test_torchrun_two_process(tmp_path, parallel):
-    parallel, _, ds_json = parallel.partition(":")
+    parallel, _, variant = parallel.partition(":")
+    ds_json = variant if parallel == "deepspeed" else ""
     out = tmp_path / parallel
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
@@ -126,6 +127,8 @@ def test_torchrun_two_process(tmp_path, parallel):
     ]  # fmt: skip
     if ds_json:
         cmd.append(f"deepspeed_config={REPO / 'configs' / 'deepspeed' / ds_json}.json")
+    if variant == "flat":
+        cmd.append("fsdp1_use_orig_params=false")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=220)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

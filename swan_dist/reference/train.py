@@ -65,6 +65,7 @@ class TrainConfig:
     seed: int = 0
     parallel: str = "none"  # none | ddp | fsdp2 | fsdp1 | deepspeed
     deepspeed_config: str | None = None  # parallel: deepspeed: a DeepSpeed JSON (configs/deepspeed/)
+    fsdp1_use_orig_params: bool = True  # parallel: fsdp1: False hands the optimizer FlatParameters
     swan_mode: str = "auto"  # SWAN engine: auto (owner when world > 1) | owner | replicated | local
     bucket_mb: float = 256.0  # SWAN engine: full fp32 matrices one owner assembles per bucket
     swan_options: dict[str, Any] = field(default_factory=dict)  # more swan_dist.SWAN keyword arguments
@@ -291,12 +292,12 @@ def build_scheduler(cfg: TrainConfig, optimizer: torch.optim.Optimizer) -> torch
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-def _ddp(model: nn.Module, env: DistEnv) -> nn.Module:
+def _ddp(model: nn.Module, cfg: TrainConfig, env: DistEnv) -> nn.Module:
     device_ids = [env.device.index] if env.device.type == "cuda" else None
     return DistributedDataParallel(model, device_ids=device_ids, forward_sync_buffers=False)  # buffers are constants
 
 
-def _fsdp2(model: nn.Module, env: DistEnv) -> nn.Module:
+def _fsdp2(model: nn.Module, cfg: TrainConfig, env: DistEnv) -> nn.Module:
     """FSDP2: each transformer block one shard group, the root (embeddings, norm, head) another."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -307,20 +308,21 @@ def _fsdp2(model: nn.Module, env: DistEnv) -> nn.Module:
     return fully_shard(model, mesh=mesh)
 
 
-def _fsdp1(model: nn.Module, env: DistEnv) -> nn.Module:
-    """FSDP1 with use_orig_params=True, one FlatParameter per transformer block plus the root's."""
+def _fsdp1(model: nn.Module, cfg: TrainConfig, env: DistEnv) -> nn.Module:
+    """FSDP1, one FlatParameter per transformer block plus the root's; the optimizer gets the original
+    parameters' flat views (``fsdp1_use_orig_params: true``) or the FlatParameters themselves."""
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
     from .model import TransformerBlock
 
-    return FSDP(model, auto_wrap_policy=ModuleWrapPolicy({TransformerBlock}), use_orig_params=True,
-                device_id=env.device)
+    return FSDP(model, auto_wrap_policy=ModuleWrapPolicy({TransformerBlock}),
+                use_orig_params=cfg.fsdp1_use_orig_params, device_id=env.device)
 
 
-# parallel strategy -> wrapper(model, env); DeepSpeed builds its engine with the optimizer (below).
-PARALLEL: dict[str, Callable[[nn.Module, DistEnv], nn.Module]] = {
-    "none": lambda model, env: model, "ddp": _ddp, "fsdp2": _fsdp2, "fsdp1": _fsdp1, "deepspeed": lambda m, e: m,
+# parallel strategy -> wrapper(model, cfg, env); DeepSpeed builds its engine with the optimizer (below).
+PARALLEL: dict[str, Callable[[nn.Module, TrainConfig, DistEnv], nn.Module]] = {
+    "none": lambda m, c, e: m, "ddp": _ddp, "fsdp2": _fsdp2, "fsdp1": _fsdp1, "deepspeed": lambda m, c, e: m,
 }
 
 
@@ -354,7 +356,7 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def wrap_model(model: nn.Module, cfg: TrainConfig, env: DistEnv) -> nn.Module:
-    return PARALLEL[cfg.parallel](model, env)
+    return PARALLEL[cfg.parallel](model, cfg, env)
 
 
 def _autocast(cfg: TrainConfig, env: DistEnv):
