@@ -42,7 +42,6 @@ def _worker(rank, world, port, out, size, stage, opt, steps, torch_adam, seq, ba
 
     torch.manual_seed(0)
     model = Llama(model_config(size, vocab_size=8192, max_seq_len=seq))
-    swan_dist.tag_model(model)
     params = {"preset": "swan_ddagger", "lr": 0.02, "verbose": False} if opt == "SWAN" else {"lr": 1e-3}
     if opt == "AdamW" and torch_adam:
         params["torch_adam"] = True

@@ -9,7 +9,8 @@ Where the pieces live (ZeRO-1/2, and bf16 at any stage): DeepSpeed replaces each
 parameters by one flat fp32 partition of the group; every original (low-precision) parameter ``lp``
 links to its part of it through ``lp._hp_mapping`` (``None`` where this rank holds none of it):
 ``lp_fragment_address`` is the contiguous range of the flattened parameter, ``hp_fragment_address``
-where it sits in the partition. SWAN splits its groups into SWAN and fallback groups, so a SWAN
+where it sits in the partition. The engine's model is tagged (``swan_dist.tag_model``) when the
+engine builds SWAN from its JSON, so the bare parameters DeepSpeed passes keep their names and rules. SWAN splits its groups into SWAN and fallback groups, so a SWAN
 group's partition holds matrices only; the fallback rule runs elementwise on the fallback partition.
 ZeRO-3 partitions each parameter alone and steps one sub-group at a time (:func:`zero3_pieces`).
 """
@@ -20,7 +21,7 @@ import sys
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
 
 from swan_dist.routing import Piece
 
@@ -39,6 +40,23 @@ def allow_in_zero(cls: type) -> None:
 
     if cls not in utils.ZERO_SUPPORTED_OPTIMIZERS:
         utils.ZERO_SUPPORTED_OPTIMIZERS.append(cls)
+
+
+def engine_module() -> nn.Module | None:
+    """The model of the DeepSpeed engine that is building this optimizer from its JSON ``"type"``, if
+    any: DeepSpeed hands the optimizer bare parameters, and its engine (a caller up the stack,
+    ``DeepSpeedEngine._configure_basic_optimizer``) holds the module that knows their names."""
+    if "deepspeed" not in sys.modules:
+        return None
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    frame = sys._getframe(1)
+    while frame is not None:
+        engine = frame.f_locals.get("self")
+        if isinstance(engine, DeepSpeedEngine):
+            return engine.module
+        frame = frame.f_back
+    return None
 
 
 def is_zero3(originals: list[tuple[str, Tensor]]) -> bool:

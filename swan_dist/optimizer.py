@@ -23,12 +23,12 @@ from torch.optim.adam import adam as _adam_functional
 
 from swan_dist.integrations import locate
 from swan_dist.integrations import fsdp1
-from swan_dist.integrations.deepspeed import allow_in_zero, is_zero3, partition_pieces, zero3_pieces
+from swan_dist.integrations.deepspeed import allow_in_zero, engine_module, is_zero3, partition_pieces, zero3_pieces
 
 from .functional import WhitenConfig, resolve_dtype, swan_update
 from .presets import OPTIMIZER_KEYS, load_preset
 from .routing import Exchange, MatrixSpec, Piece, agree_on_step, build_plan, full_shape
-from .selection import Rule, classify, collapse_name, param_groups, tagged_name
+from .selection import Rule, classify, collapse_name, param_groups, tag_model, tagged_name
 
 __all__ = ["SWAN", "FALLBACKS"]
 
@@ -154,6 +154,11 @@ class SWAN(torch.optim.Optimizer):
         self.whitened_matrices = 0  # matrices whitened so far (SWAN work done, for accounting)
         if isinstance(params, nn.Module):
             params = param_groups(params, self._include, self._exclude)
+        else:
+            params = list(params)
+            bare = [p for p in params if isinstance(p, Tensor)]
+            if bare and all(tagged_name(p) is None for p in bare) and (model := engine_module()) is not None:
+                tag_model(model, self._include, self._exclude)  # built by DeepSpeed from "type": "SWAN"
         super().__init__(params, defaults)
         allow_in_zero(type(self))
         if verbose and _rank0():

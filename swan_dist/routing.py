@@ -42,8 +42,9 @@ RANGE_ATTR = "_swan_range"
 
 
 def full_shape(param: Tensor) -> tuple[int, ...]:
-    """The shape of the whole parameter, whatever piece of it this rank holds (DTensors: global)."""
-    return getattr(param, SHAPE_ATTR, None) or tuple(param.shape)
+    """The shape of the whole parameter, whatever piece of it this rank holds (DTensors: global;
+    DeepSpeed ZeRO-3 partitioned parameters: ``ds_shape``)."""
+    return getattr(param, SHAPE_ATTR, None) or tuple(getattr(param, "ds_shape", None) or param.shape)
 
 
 @dataclass

@@ -8,6 +8,7 @@ a rank still running at the deadline fails the test instead of hanging it.
 
 from __future__ import annotations
 
+import datetime
 import os
 import pickle
 import socket
@@ -36,11 +37,16 @@ def _entry(rank: int, world: int, port: int, out_dir: str, fn, args) -> None:
         result = ("ok", fn(rank, world, *args))
     except BaseException as e:  # noqa: BLE001 - reported to the parent with the rank
         result = ("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}", type(e).__name__, str(e))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    # the result is written before teardown: what the test checks is then safe from a native library
+    # aborting at exit (seen once per ~20 DeepSpeed runs: "terminate called without an active exception")
     with open(os.path.join(out_dir, f"{rank}.pkl"), "wb") as f:
         pickle.dump(result, f)
+    if dist.is_initialized():
+        try:  # no rank tears down while a peer still has collectives in flight
+            dist.monitored_barrier(timeout=datetime.timedelta(seconds=60))
+        except RuntimeError:
+            pass  # a peer is gone or stuck; the parent reports it
+        dist.destroy_process_group()
 
 
 class RankError(RuntimeError):
@@ -58,12 +64,19 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 180.0, raw: boo
         import time
 
         deadline = time.monotonic() + timeout
-        while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
-            if time.monotonic() >= deadline:
-                for p in ctx.processes:
-                    if p.is_alive():
-                        p.kill()
-                raise TimeoutError(f"distributed test did not finish within {timeout}s (hang?)")
+        try:
+            while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
+                if time.monotonic() >= deadline:
+                    for p in ctx.processes:
+                        if p.is_alive():
+                            p.kill()
+                    raise TimeoutError(f"distributed test did not finish within {timeout}s (hang?)")
+        except mp.ProcessExitedException:  # a rank died: fine only if it died after reporting, at teardown
+            if not all(os.path.exists(os.path.join(out_dir, f"{r}.pkl")) for r in range(world_size)):
+                raise
+            for p in ctx.processes:
+                p.join(timeout=30)
+            print(f"dist_utils: a rank exited abnormally after reporting its result: {[p.exitcode for p in ctx.processes]}")
         results = []
         for r in range(world_size):
             path = os.path.join(out_dir, f"{r}.pkl")

@@ -28,19 +28,25 @@ def _loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1))
 
 
-def _ds_worker(rank, world, stage, gas, steps, params, bf16=False, offload=False):
+def _ds_worker(rank, world, stage, gas, steps, params, bf16=False, offload=False, tag=True, zero_init=False):
+    """``tag``: call swan_dist.tag_model first (else SWAN finds the engine's model itself);
+    ``zero_init``: build the model under ``deepspeed.zero.Init`` (partitioned before the optimizer)."""
+    import contextlib
+
     import deepspeed
 
     import swan_dist
 
-    torch.manual_seed(0)
-    model = Net()
-    swan_dist.tag_model(model)  # DeepSpeed hands the optimizer bare parameters: keep module-type rules
     config = {
         "train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": gas, "steps_per_print": 10**9,
         "optimizer": {"type": "SWAN", "params": params}, "bf16": {"enabled": bf16},
         "zero_optimization": {"stage": stage, **({"offload_optimizer": {"device": "cpu"}} if offload else {})},
     }
+    torch.manual_seed(0)
+    with deepspeed.zero.Init(config_dict_or_path=config, dtype=torch.float32) if zero_init else contextlib.nullcontext():
+        model = Net()
+    if tag:
+        swan_dist.tag_model(model)  # DeepSpeed hands the optimizer bare parameters: keep module-type rules
     engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     for t in range(steps):
         for m in range(gas):
@@ -48,7 +54,7 @@ def _ds_worker(rank, world, stage, gas, steps, params, bf16=False, offload=False
             engine.backward(_loss(engine, x))
             engine.step()
     swan = optimizer if isinstance(optimizer, SWAN) else optimizer.optimizer
-    return _full_weights(engine), swan.whitened_matrices, type(optimizer).__name__
+    return _full_weights(engine), swan.whitened_matrices, type(optimizer).__name__, swan.summary()
 
 
 def _full_weights(engine) -> dict[str, torch.Tensor]:
@@ -77,7 +83,7 @@ def test_zero_stage_equals_single_process(stage, gas):
     steps = 3
     res = run_distributed(_ds_worker, 2, stage, gas, steps, PARAMS, timeout=380)
     ref = _reference(2, gas, steps)
-    for weights, _, _ in res:
+    for weights, *_ in res:
         for n, v in ref.items():
             assert torch.allclose(weights[n], v, atol=1e-5), (stage, n, (weights[n] - v).abs().max())
     assert sum(r[1] for r in res) == steps * 4  # each matrix whitened once per optimizer step
@@ -112,12 +118,30 @@ def test_json_errors_name_the_bad_key():
     assert bad[0][0] == "error" and "momentum" in bad[0][3]
 
 
+@pytest.mark.parametrize("stage,zero_init", [(2, False), (3, True)])
+def test_untagged_model_keeps_the_plain_optimizers_rules(stage, zero_init):
+    """Without swan_dist.tag_model, SWAN built by the engine from "type": "SWAN" finds the engine's
+    model and tags it (also when zero.Init partitioned it first): the same rules and the same result
+    as the plain optimizer."""
+    res = run_distributed(_ds_worker, 2, stage, 1, 2, PARAMS, False, False, False, zero_init, timeout=380)
+    if zero_init:  # zero.Init initialises differently (low-precision copies): compare with explicit tags
+        ref = run_distributed(_ds_worker, 2, stage, 1, 2, PARAMS, False, False, True, zero_init, timeout=380)[0][0]
+    else:
+        ref = _reference(2, 1, 2)
+    for weights, *_ in res:
+        for n, v in ref.items():
+            assert torch.allclose(weights[n], v, atol=1e-5), (stage, n, (weights[n] - v).abs().max())
+    summary = res[0][3]
+    assert "4 matrices whitened by SWAN, 4 tensors on the fallback rule" in summary and "name unknown" not in summary
+    assert "tok_embeddings.weight" in summary and "nn.Embedding weight" in summary
+
+
 @pytest.mark.parametrize("stage", [2, 3])
 def test_zero_offload_equals_single_process(stage):
     """ZeRO-Offload (``offload_optimizer: cpu``): the fp32 partitions SWAN steps live on the host."""
     res = run_distributed(_ds_worker, 2, stage, 2, 2, PARAMS, False, True, timeout=380)
     ref = _reference(2, 2, 2)
-    for weights, _, _ in res:
+    for weights, *_ in res:
         for n, v in ref.items():
             assert torch.allclose(weights[n], v, atol=1e-5), (stage, n, (weights[n] - v).abs().max())
     assert sum(r[1] for r in res) == 2 * 4

@@ -331,9 +331,8 @@ def deepspeed_engine(model: nn.Module, cfg: TrainConfig):
     JSON's ``"type"`` (``SWAN`` resolves through ``import swan_dist``) and steps our lr schedule."""
     import deepspeed
 
-    import swan_dist
+    import swan_dist  # noqa: F401 - registers "SWAN"; SWAN tags the engine's model (names, module types)
 
-    swan_dist.tag_model(model)  # DeepSpeed hands the optimizer bare parameters: keep the module-type rules
     engine, optimizer, _, scheduler = deepspeed.initialize(
         model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
         config=deepspeed_json(cfg), lr_scheduler=lambda opt: build_scheduler(cfg, opt),
