@@ -16,6 +16,7 @@ pytestmark = pytest.mark.timeout(400)
 
 MICRO = 2  # sequences per rank and micro-step
 PARAMS = {"preset": "swan_ddagger", "lr": 0.05}
+SWAN_MATRICES = {"up.weight", "down.weight", "narrow.weight", "mid.weight"}
 
 
 def _batch(step: int, micro: int, world: int) -> torch.Tensor:
@@ -199,6 +200,24 @@ def test_save_and_load_checkpoint_resume_identically(tmp_path, stage):
     fp32 = get_fp32_state_dict_from_zero_checkpoint(ckpt, tag="t2")  # DeepSpeed's own consolidation
     for n, v in at_save.items():
         assert torch.equal(fp32[n].float(), v), n
+    # the optimizer part: AdamW moments of the fallback partitions (+ a step each), nothing for SWAN;
+    # the fp32 master partitions beside them are DeepSpeed's
+    import glob
+
+    swan_numel = sum(p.numel() for n, p in Net().named_parameters() if n in SWAN_MATRICES)
+    fallback_numel = sum(p.numel() for p in Net().parameters()) - swan_numel
+    state_bytes, swan_entries = 0, []
+    for path in glob.glob(f"{ckpt}/t2/*_optim_states.pt"):
+        osd = torch.load(path, weights_only=False)["optimizer_state_dict"]
+        base = osd["base_optimizer_state"] if stage < 3 else osd["optimizer_state_dict"]
+        groups = base["param_groups"]
+        for g, st in base["state"].items():
+            state_bytes += sum(t.numel() * t.element_size() for t in st.values() if torch.is_tensor(t))
+            if groups[g]["use_swan"]:
+                swan_entries.append(st)
+    assert swan_entries and all(st == {} for st in swan_entries)
+    padding = 2 * 8 * 2  # at most 2 elements of alignment per rank and moment
+    assert 8 * fallback_numel <= state_bytes - 2 * 4 <= 8 * fallback_numel + padding * 8, state_bytes
 
 
 @pytest.mark.parametrize("stage", [1, 2])
