@@ -229,6 +229,9 @@ def test_universal_checkpoint_loads_at_another_world_size(tmp_path, stage):
 
     ckpt = str(tmp_path / "ckpt")
     saved = run_distributed(_ckpt_worker, 2, stage, ckpt, "save", timeout=380)
+    if stage == 2:  # the plain checkpoint at another world size: DeepSpeed's clear error, nothing loaded
+        wrong = run_distributed(_ckpt_worker, 1, stage, ckpt, "load", raw=True, timeout=380)
+        assert wrong[0][0] == "error" and "DP world size of 2" in wrong[0][3], wrong[0][:2]
     stateless = convert(f"{ckpt}/t2", f"{ckpt}/t2_universal", ["--num_extract_workers", "1", "--num_merge_workers", "1"])
     assert stateless == ["down.weight", "mid.weight", "narrow.weight", "up.weight"]
     zero = tmp_path / "ckpt" / "t2_universal" / "zero"
