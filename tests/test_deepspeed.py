@@ -119,6 +119,18 @@ def test_json_errors_name_the_bad_key():
     assert bad[0][0] == "error" and "momentum" in bad[0][3]
 
 
+@pytest.mark.parametrize("world,stage", [(1, 3), (4, 2), (4, 3)])
+def test_other_world_sizes_equal_single_process(world, stage):
+    """W=1, and W=4 where ZeRO-2's flat partitions and ZeRO-3's per-parameter partitions (ceil(numel/4),
+    padded: a 2x7 matrix is 4+4+4+2) cut every matrix unevenly."""
+    res = run_distributed(_ds_worker, world, stage, 1, 2, PARAMS, timeout=380)
+    ref = _reference(world, 1, 2)
+    for weights, *_ in res:
+        for n, v in ref.items():
+            assert torch.allclose(weights[n], v, atol=1e-5), (world, stage, n, (weights[n] - v).abs().max())
+    assert sum(r[1] for r in res) == 2 * 4
+
+
 @pytest.mark.parametrize("stage,zero_init", [(2, False), (3, True)])
 def test_untagged_model_keeps_the_plain_optimizers_rules(stage, zero_init):
     """Without swan_dist.tag_model, SWAN built by the engine from "type": "SWAN" finds the engine's
