@@ -13,7 +13,7 @@ from swan_dist.routing import Piece
 
 from torch import nn
 
-from . import fsdp1
+from . import deepspeed, fsdp1
 from .ddp import replicated_piece
 from .fsdp2 import dtensor_piece, is_dtensor
 
@@ -21,6 +21,7 @@ from .fsdp2 import dtensor_piece, is_dtensor
 def prepare(model: nn.Module) -> None:
     """Let adapters record what they need on a wrapped model's parameters (FSDP1's flat views)."""
     fsdp1.register(model)
+    deepspeed.register(model)
 
 
 def locate(param: Tensor, name: str) -> Piece:

@@ -9,10 +9,14 @@ Where the pieces live (ZeRO-1/2, and bf16 at any stage): DeepSpeed replaces each
 parameters by one flat fp32 partition of the group; every original (low-precision) parameter ``lp``
 links to its part of it through ``lp._hp_mapping`` (``None`` where this rank holds none of it):
 ``lp_fragment_address`` is the contiguous range of the flattened parameter, ``hp_fragment_address``
-where it sits in the partition. The engine's model is tagged (``swan_dist.tag_model``) when the
-engine builds SWAN from its JSON, so the bare parameters DeepSpeed passes keep their names and rules. SWAN splits its groups into SWAN and fallback groups, so a SWAN
+where it sits in the partition. SWAN splits its groups into SWAN and fallback groups, so a SWAN
 group's partition holds matrices only; the fallback rule runs elementwise on the fallback partition.
 ZeRO-3 partitions each parameter alone and steps one sub-group at a time (:func:`zero3_pieces`).
+:func:`replaced_pieces` is the one entry point the optimizer calls for a group whose tensors
+DeepSpeed replaced.
+
+The engine's model is tagged (``swan_dist.tag_model``) when the engine builds SWAN from its JSON
+(:func:`engine_module`), so the bare parameters DeepSpeed passes keep their names and rules.
 """
 
 from __future__ import annotations
@@ -23,7 +27,25 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from swan_dist.routing import Piece
+from swan_dist.routing import SHAPE_ATTR, Piece
+
+from .ddp import replicated_piece
+
+# Where DeepSpeed's wrappers keep their fp32 master weights (ZeRO-1/2, ZeRO-3, bf16, fp16).
+_MASTER_ATTRS = ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat", "fp32_groups_flat_partition",
+                 "fp32_groups")
+
+
+def register(model: nn.Module) -> None:
+    """Record the full shape of ZeRO-3 partitioned parameters (``ds_shape``; the tensor itself is empty)."""
+    for p in model.parameters():
+        if hasattr(p, "ds_shape"):
+            setattr(p, SHAPE_ATTR, tuple(p.ds_shape))
+
+
+def master_weights(wrapper) -> list:
+    """The fp32 master tensors a DeepSpeed optimizer wrapper holds, in its own (nested) lists."""
+    return [getattr(wrapper, attr) for attr in _MASTER_ATTRS if hasattr(wrapper, attr)]
 
 
 def register_type(cls: type) -> None:
@@ -59,8 +81,30 @@ def engine_module() -> nn.Module | None:
     return None
 
 
-def is_zero3(originals: list[tuple[str, Tensor]]) -> bool:
-    return any(hasattr(p, "ds_id") for _, p in originals)
+def replaced_pieces(originals: list[tuple[str, Tensor]], params: list[Tensor], use_swan: bool, index: int,
+                    group) -> list[tuple[str, Tensor, Piece]]:
+    """(name, tensor to update, piece) for a param group whose tensors DeepSpeed replaced:
+
+    - nothing: ZeRO-3 emptied the group while it steps another sub-group;
+    - one-to-one fp32 copies (bf16 without ZeRO): each copy stands for its original;
+    - one flat fp32 partition: a SWAN group's matrices (ZeRO-1/2 ``_hp_mapping``, or ZeRO-3's
+      per-parameter partitions), or a fallback group's partition as one elementwise tensor.
+    """
+    zero3 = any(hasattr(p, "ds_id") for _, p in originals)
+    if not params:
+        return []
+    if not zero3 and len(params) == len(originals) and all(p.shape == q.shape for p, (_, q) in zip(params, originals)):
+        return [(name, p, replicated_piece(p)) for p, (name, _) in zip(params, originals)]
+    if len(params) != 1:
+        raise ValueError(
+            f"swan_dist: param group {index} was replaced by {len(params)} tensors that are neither copies of "
+            "its parameters nor one flat partition"
+        )
+    flat = params[0]
+    if not use_swan:
+        return [(f"<flat partition of fallback group {index}>", flat, replicated_piece(flat))]
+    found = zero3_pieces(originals, flat, group) if zero3 else partition_pieces(originals, flat)
+    return [(name, pc.param, pc) for name, pc in found]
 
 
 def zero3_pieces(originals: list[tuple[str, Tensor]], flat: Tensor, group) -> list[tuple[str, Piece]]:

@@ -8,9 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-# Where framework wrappers keep their fp32 master weights (DeepSpeed: ZeRO-1/2, ZeRO-3, bf16, fp16).
-_MASTER_ATTRS = ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat", "fp32_groups_flat_partition",
-                 "fp32_groups")
+from swan_dist.integrations.deepspeed import master_weights
 
 
 def client_optimizer(optimizer: Any) -> torch.optim.Optimizer:
@@ -50,5 +48,5 @@ def state_bytes(optimizer: Any) -> dict[str, int]:
     client optimizer's ``state`` (for SWAN: the fallback rule's only; SWAN matrices keep none), and the
     fp32 master copies a wrapper such as DeepSpeed ZeRO holds (0 without one)."""
     inner = client_optimizer(optimizer)
-    masters = [] if inner is optimizer else [t for a in _MASTER_ATTRS for t in _tensors(getattr(optimizer, a, None))]
+    masters = [] if inner is optimizer else _tensors(master_weights(optimizer))
     return {"optimizer_state": _nbytes(_tensors(dict(inner.state))), "master_weights": _nbytes(masters)}

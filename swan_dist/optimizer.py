@@ -23,7 +23,7 @@ from torch.optim.adam import adam as _adam_functional
 
 from swan_dist.integrations import locate
 from swan_dist.integrations import fsdp1
-from swan_dist.integrations.deepspeed import allow_in_zero, engine_module, is_zero3, partition_pieces, zero3_pieces
+from swan_dist.integrations.deepspeed import allow_in_zero, engine_module, replaced_pieces
 
 from .functional import WhitenConfig, resolve_dtype, swan_update
 from .presets import OPTIMIZER_KEYS, load_preset
@@ -342,50 +342,26 @@ class SWAN(torch.optim.Optimizer):
         return loss
 
     def _entries(self) -> tuple[list[tuple[dict, Tensor, str]], list[Piece]]:
-        """(group, tensor, name) and this rank's piece, per parameter. Where a framework replaced a
-        group's parameters by one flat partition (DeepSpeed ZeRO-1/2, bf16), a SWAN group expands into
-        its original matrices and a fallback group is one elementwise tensor; ZeRO-3 hands one sub-group's
-        partition at a time (the emptied groups have no entries this call). An FSDP1 FlatParameter
-        (``use_orig_params=False``) gives one entry per original parameter."""
+        """(group, tensor, name) and this rank's piece, per parameter (for a group whose tensors a
+        framework replaced, per original parameter: see ``integrations.deepspeed.replaced_pieces``). An
+        FSDP1 FlatParameter (``use_orig_params=False``) gives one entry per original parameter."""
         entries, pieces = [], []
         for gi, g in enumerate(self.param_groups):
             origin = self._origin[gi]
-            replaced = len(origin) != len(g["params"]) or any(p is not q for (_, q), p in zip(origin, g["params"]))
-            if replaced and not g["params"]:  # ZeRO-3 steps one sub-group at a time, the others emptied
-                continue
-            if not replaced:
-                swan_g = {**g, "use_swan": True}  # this group's options, for FlatParameters' SWAN matrices
-                for p, name in self._named(g):
-                    if p in self._flat_rules:  # FSDP1 FlatParameter: one entry per original
-                        for use, (oname, pc) in zip(self._flat_rules[p], fsdp1.flat_pieces(p, self._flat_rules[p])):
-                            entries.append((swan_g if use else g, p, oname))
-                            pieces.append(pc)
-                        continue
-                    entries.append((g, p, name))
-                    pieces.append(locate(p, name))
-                continue
-            if not is_zero3(origin) and len(g["params"]) == len(origin) and all(
-                p.shape == q.shape for p, (_, q) in zip(g["params"], origin)
-            ):  # one-to-one copies (DeepSpeed's fp32 masters of bf16 parameters without ZeRO)
-                for p, (name, _) in zip(g["params"], origin):
-                    entries.append((g, p, name))
-                    pieces.append(locate(p, name))
-                continue
-            if len(g["params"]) != 1:
-                raise ValueError(
-                    f"swan_dist: param group {gi} was replaced by {len(g['params'])} tensors that are neither "
-                    "copies of its parameters nor one flat partition"
-                )
-            flat = g["params"][0]
-            if g["use_swan"]:
-                found = zero3_pieces(origin, flat, self._world()[1]) if is_zero3(origin) else partition_pieces(origin, flat)
-                for name, pc in found:
-                    entries.append((g, pc.param, name))
+            if len(origin) != len(g["params"]) or any(p is not q for (_, q), p in zip(origin, g["params"])):
+                for name, t, pc in replaced_pieces(origin, g["params"], g["use_swan"], gi, self._world()[1]):
+                    entries.append((g, t, name))
                     pieces.append(pc)
-            else:
-                name = f"<flat partition of fallback group {gi}>"
-                entries.append((g, flat, name))
-                pieces.append(locate(flat, name))
+                continue
+            swan_g = {**g, "use_swan": True}  # this group's options, for FlatParameters' SWAN matrices
+            for p, name in self._named(g):
+                if p in self._flat_rules:  # FSDP1 FlatParameter: one entry per original
+                    for use, (oname, pc) in zip(self._flat_rules[p], fsdp1.flat_pieces(p, self._flat_rules[p])):
+                        entries.append((swan_g if use else g, p, oname))
+                        pieces.append(pc)
+                else:
+                    entries.append((g, p, name))
+                    pieces.append(locate(p, name))
         return entries, pieces
 
     @staticmethod

@@ -35,16 +35,15 @@ Range = tuple[int, int]
 Segment = tuple[int, int, int]  # (matrix index, lo, hi)
 
 
-# Adapters whose local tensor is a flat piece of a parameter (FSDP1's original-parameter views) record
+# Adapters whose local tensor is a piece of a parameter (FSDP1's flat views, ZeRO-3's partitions) record
 # the full shape and the piece's range on the parameter under these attribute names.
 SHAPE_ATTR = "_swan_shape"
 RANGE_ATTR = "_swan_range"
 
 
 def full_shape(param: Tensor) -> tuple[int, ...]:
-    """The shape of the whole parameter, whatever piece of it this rank holds (DTensors: global;
-    DeepSpeed ZeRO-3 partitioned parameters: ``ds_shape``)."""
-    return getattr(param, SHAPE_ATTR, None) or tuple(getattr(param, "ds_shape", None) or param.shape)
+    """The shape of the whole parameter, whatever piece of it this rank holds (DTensors: global)."""
+    return getattr(param, SHAPE_ATTR, None) or tuple(param.shape)
 
 
 @dataclass

@@ -200,6 +200,12 @@ def test_fsdp1_flat_params_nonfinite_skips_one_original():
 LAYOUTS = [(True, True), (False, True), (False, False)]  # (use_orig_params, one unit per nn.Linear)
 
 
+def _train(model, opt, steps) -> None:
+    for t in steps:  # the same global gradients, NaN in some originals at some steps
+        _set_grads(model, _nan_grads(Net(), t))
+        opt.step()
+
+
 def _dcp_worker(rank, world, root, phase):
     """phase 'save': steps 0-1 (an update skipped in each), save, steps 2-3. phase 'load': load, steps 2-3."""
     import torch.distributed.checkpoint as dcp
@@ -215,9 +221,7 @@ def _dcp_worker(rank, world, root, phase):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             if phase == "save":
-                for t in range(2):
-                    _set_grads(model, _nan_grads(Net(), t))
-                    opt.step()
+                _train(model, opt, range(2))
                 msd, osd = get_state_dict(model, opt)
                 dcp.save({"model": msd, "optim": osd}, checkpoint_id=ckpt)
                 local = {n: {k: (v.to_local() if isinstance(v, DTensor) else v) for k, v in st.items()}
@@ -236,9 +240,7 @@ def _dcp_worker(rank, world, root, phase):
                 set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
             fallback = sum(v for n, v in _held(model).items() if n not in SWAN_MATRICES)
             compact = _state_numel(opt) == 2 * fallback  # in memory, also after loading
-            for t in range(2, 4):
-                _set_grads(model, _nan_grads(Net(), t))
-                opt.step()
+            _train(model, opt, range(2, 4))
         out[orig, per_linear] = _full(model), saved, compact
     return out
 
@@ -284,9 +286,7 @@ def _full_sd_worker(rank, world, root, phase):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             if phase == "save":
-                for t in range(2):
-                    _set_grads(model, _nan_grads(Net(), t))
-                    opt.step()
+                _train(model, opt, range(2))
                 msd, osd = get_state_dict(model, opt, options=full)
                 if rank == 0:
                     torch.save({"model": msd, "optim": osd}, path)
@@ -294,9 +294,7 @@ def _full_sd_worker(rank, world, root, phase):
                 state = torch.load(path, weights_only=False)
                 set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"],
                                options=StateDictOptions(full_state_dict=True))
-            for t in range(2, 4):
-                _set_grads(model, _nan_grads(Net(), t))
-                opt.step()
+            _train(model, opt, range(2, 4))
         out[orig] = _full(model)
     return out
 

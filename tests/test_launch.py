@@ -30,6 +30,22 @@ def _env(**extra):
     return env
 
 
+def _run_nodes(cmd: list[str], node_envs: list[dict[str, str]]) -> None:
+    """Start ``cmd`` once per "node" (its environment) at the same time; every node must succeed."""
+    nodes = [subprocess.Popen(cmd, env=_env(**e), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for e in node_envs]
+    try:
+        outs = [p.communicate(timeout=240)[0] for p in nodes]
+    finally:
+        for p in nodes:
+            p.kill()
+    assert all(p.returncode == 0 for p in nodes), "\n".join(o[-3000:] for o in outs)
+
+
+def _summaries(tmp_path) -> tuple[dict, dict]:
+    return tuple(json.loads((tmp_path / run / "summary.json").read_text()) for run in ("single", "multi"))
+
+
 @pytest.mark.timeout(300)
 def test_two_node_loopback_matches_single_node(tmp_path):
     smoke = str(REPO / "configs" / "train" / "smoke.yaml")
@@ -39,23 +55,10 @@ def test_two_node_loopback_matches_single_node(tmp_path):
     )
     assert single.returncode == 0, single.stdout[-2000:] + single.stderr[-3000:]
     port = _port()
-    nodes = [
-        subprocess.Popen(
-            ["bash", str(REPO / "launch" / "torchrun_multinode.sh"), smoke, "--", *ARGS, f"out_dir={tmp_path / 'multi'}"],
-            env=_env(NNODES="2", NODE_RANK=str(n), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                     NPROC_PER_NODE="1", RDZV_ID=f"test{port}"),
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )
-        for n in range(2)
-    ]
-    try:
-        outs = [p.communicate(timeout=240)[0] for p in nodes]
-    finally:
-        for p in nodes:
-            p.kill()
-    assert all(p.returncode == 0 for p in nodes), "\n".join(o[-3000:] for o in outs)
-    a = json.loads((tmp_path / "single" / "summary.json").read_text())
-    b = json.loads((tmp_path / "multi" / "summary.json").read_text())
+    _run_nodes(["bash", str(REPO / "launch" / "torchrun_multinode.sh"), smoke, "--", *ARGS, f"out_dir={tmp_path / 'multi'}"],
+               [dict(NNODES="2", NODE_RANK=str(n), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NPROC_PER_NODE="1",
+                     RDZV_ID=f"test{port}") for n in range(2)])
+    a, b = _summaries(tmp_path)
     assert b["world_size"] == 2 and b["whitened_matrices"] == a["whitened_matrices"] == 8 * 7 * 2
     assert abs(a["final_val_loss"] - b["final_val_loss"]) < 1e-4
     wa, wb = torch.load(tmp_path / "single" / "model.pt"), torch.load(tmp_path / "multi" / "model.pt")
@@ -79,22 +82,10 @@ def test_deepspeed_launcher_hostfile_two_nodes_matches_one_node(tmp_path):
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("node-a slots=1\nnode-b slots=1\n")
     port = _port()
-    nodes = [
-        subprocess.Popen(
-            ["bash", script, smoke, "--", *DS_ARGS, f"out_dir={tmp_path / 'multi'}"],
-            env=_env(HOSTFILE=str(hostfile), NO_SSH="1", NODE_RANK=str(n), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)),
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )
-        for n in range(2)
-    ]
-    try:
-        outs = [p.communicate(timeout=240)[0] for p in nodes]
-    finally:
-        for p in nodes:
-            p.kill()
-    assert all(p.returncode == 0 for p in nodes), "\n".join(o[-3000:] for o in outs)
-    a = json.loads((tmp_path / "single" / "summary.json").read_text())
-    b = json.loads((tmp_path / "multi" / "summary.json").read_text())
+    _run_nodes(["bash", script, smoke, "--", *DS_ARGS, f"out_dir={tmp_path / 'multi'}"],
+               [dict(HOSTFILE=str(hostfile), NO_SSH="1", NODE_RANK=str(n), MASTER_ADDR="127.0.0.1",
+                     MASTER_PORT=str(port)) for n in range(2)])
+    a, b = _summaries(tmp_path)
     assert a["parallel"] == b["parallel"] == "deepspeed" and a["world_size"] == b["world_size"] == 2
     assert b["whitened_matrices"] == a["whitened_matrices"] == 6 * 7 * 2
     assert abs(a["final_val_loss"] - b["final_val_loss"]) < 1e-5
