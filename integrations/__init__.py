@@ -1,33 +1,25 @@
 """Framework adapters for swan_dist (installed as ``swan_dist.integrations``).
 
-Each adapter only answers, for every managed matrix: which contiguous piece of it this rank holds,
-where that piece's gradient is, and where its update goes. The math lives in
-``swan_dist.functional``; the optimizer in ``swan_dist.optimizer``.
+Each adapter implements :class:`swan_dist.adapter.Adapter` in one file: which tensors it claims, the
+logical parameters they stand for, this rank's piece of each, and its framework's checkpoint layout
+of optimizer state. ``ADAPTERS`` is the one place they are registered; the first that claims a
+tensor answers for it, so the catch-all replicated adapter comes last. docs/engine.md shows how to
+add one.
 """
 
 from __future__ import annotations
 
-from torch import Tensor
+from .ddp import ReplicatedAdapter
+from .deepspeed import DeepSpeedAdapter
+from .dtensor import DTensorAdapter
+from .fsdp1 import FlatParamAdapter, OrigParamAdapter
 
-from swan_dist.routing import Piece
+ADAPTERS = (
+    DeepSpeedAdapter(),  # ZeRO-3 partitioned parameters; flat fp32 partitions replacing a group
+    FlatParamAdapter(),  # FSDP1 use_orig_params=False: a FlatParameter packs several originals
+    OrigParamAdapter(),  # FSDP1 use_orig_params=True: flat views of each original's shard
+    DTensorAdapter(),  # FSDP2, tensor parallelism and both (Shard / _StridedShard / Replicate)
+    ReplicatedAdapter(),  # DDP, ZeRO-0, no wrapper: every rank holds the whole tensor
+)
 
-from torch import nn
-
-from . import deepspeed, fsdp1
-from .ddp import replicated_piece
-from .fsdp2 import dtensor_piece, is_dtensor
-
-
-def prepare(model: nn.Module) -> None:
-    """Let adapters record what they need on a wrapped model's parameters (FSDP1's flat views)."""
-    fsdp1.register(model)
-    deepspeed.register(model)
-
-
-def locate(param: Tensor, name: str) -> Piece:
-    """This rank's piece of ``param`` (the one question every adapter answers)."""
-    if is_dtensor(param):
-        return dtensor_piece(param, name)
-    if fsdp1.is_flat_piece(param):
-        return fsdp1.flat_piece(param)
-    return replicated_piece(param)
+__all__ = ["ADAPTERS"]

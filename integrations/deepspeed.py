@@ -17,6 +17,7 @@ DeepSpeed replaced.
 
 The engine's model is tagged (``swan_dist.tag_model``) when the engine builds SWAN from its JSON
 (:func:`engine_module`), so the bare parameters DeepSpeed passes keep their names and rules.
+:class:`DeepSpeedAdapter` is how the optimizer reaches all of this.
 """
 
 from __future__ import annotations
@@ -27,20 +28,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from swan_dist.routing import SHAPE_ATTR, Piece
-
-from .ddp import replicated_piece
+from swan_dist.adapter import Adapter, Piece, StateSlot, tensor_piece
 
 # Where DeepSpeed's wrappers keep their fp32 master weights (ZeRO-1/2, ZeRO-3, bf16, fp16).
 _MASTER_ATTRS = ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat", "fp32_groups_flat_partition",
                  "fp32_groups")
-
-
-def register(model: nn.Module) -> None:
-    """Record the full shape of ZeRO-3 partitioned parameters (``ds_shape``; the tensor itself is empty)."""
-    for p in model.parameters():
-        if hasattr(p, "ds_shape"):
-            setattr(p, SHAPE_ATTR, tuple(p.ds_shape))
 
 
 def master_weights(wrapper) -> list:
@@ -82,32 +74,36 @@ def engine_module() -> nn.Module | None:
 
 
 def replaced_pieces(originals: list[tuple[str, Tensor]], params: list[Tensor], use_swan: bool, index: int,
-                    group) -> list[tuple[str, Tensor, Piece]]:
-    """(name, tensor to update, piece) for a param group whose tensors DeepSpeed replaced:
+                    group) -> list[Piece] | None:
+    """Pieces for a param group whose tensors DeepSpeed replaced (``None``: not DeepSpeed's doing):
 
     - nothing: ZeRO-3 emptied the group while it steps another sub-group;
-    - one-to-one fp32 copies (bf16 without ZeRO): each copy stands for its original;
     - one flat fp32 partition: a SWAN group's matrices (ZeRO-1/2 ``_hp_mapping``, or ZeRO-3's
       per-parameter partitions), or a fallback group's partition as one elementwise tensor.
+
+    (One-to-one fp32 copies, bf16 without ZeRO, are adopted like any same-shape replacement.)
     """
     zero3 = any(hasattr(p, "ds_id") for _, p in originals)
+    if not zero3 and not any(hasattr(p, "_hp_mapping") for _, p in originals):
+        return None
     if not params:
-        return []
-    if not zero3 and len(params) == len(originals) and all(p.shape == q.shape for p, (_, q) in zip(params, originals)):
-        return [(name, p, replicated_piece(p)) for p, (name, _) in zip(params, originals)]
+        return [] if zero3 else None
     if len(params) != 1:
-        raise ValueError(
-            f"swan_dist: param group {index} was replaced by {len(params)} tensors that are neither copies of "
-            "its parameters nor one flat partition"
-        )
+        return None
     flat = params[0]
     if not use_swan:
-        return [(f"<flat partition of fallback group {index}>", flat, replicated_piece(flat))]
-    found = zero3_pieces(originals, flat, group) if zero3 else partition_pieces(originals, flat)
-    return [(name, pc.param, pc) for name, pc in found]
+        return [tensor_piece(f"<flat partition of fallback group {index}>", flat, grad=flat.grad)]
+    return zero3_pieces(originals, flat, group) if zero3 else partition_pieces(originals, flat)
 
 
-def zero3_pieces(originals: list[tuple[str, Tensor]], flat: Tensor, group) -> list[tuple[str, Piece]]:
+def _piece(name: str, shape, lo: int, flat: Tensor, start: int, n: int) -> Piece:
+    """Elements ``[lo, lo + n)`` of a parameter of ``shape``, at ``start`` in the flat partition."""
+    view = flat.narrow(0, start, n)
+    grad = None if flat.grad is None else flat.grad.narrow(0, start, n)
+    return Piece(name, tuple(shape), lo, lo + n, view, grad, view, grad, StateSlot(flat))
+
+
+def zero3_pieces(originals: list[tuple[str, Tensor]], flat: Tensor, group) -> list[Piece]:
     """ZeRO-3: this rank's piece of each parameter of the sub-group whose fp32 partition is ``flat``.
 
     ZeRO-3 cuts every parameter alone into ``W`` partitions of ``ceil(numel / W)`` elements (the last
@@ -139,13 +135,12 @@ def zero3_pieces(originals: list[tuple[str, Tensor]], flat: Tensor, group) -> li
             )
         lo = (dist.get_rank(pg) if world > 1 else 0) * size
         n = max(0, min(size, p.ds_numel - lo))
-        grad = None if flat.grad is None else flat.grad.narrow(0, offset, n)
-        out.append((name, Piece(tuple(p.ds_shape), lo, lo + n, flat.narrow(0, offset, n), grad)))
+        out.append(_piece(name, p.ds_shape, lo, flat, offset, n))
         offset += size
     return out
 
 
-def partition_pieces(originals: list[tuple[str, Tensor]], flat: Tensor) -> list[tuple[str, Piece]]:
+def partition_pieces(originals: list[tuple[str, Tensor]], flat: Tensor) -> list[Piece]:
     """This rank's piece of each original parameter inside the flat fp32 partition ``flat``."""
     out = []
     for name, lp in originals:
@@ -157,10 +152,34 @@ def partition_pieces(originals: list[tuple[str, Tensor]], flat: Tensor) -> list[
             )
         shape = tuple(getattr(lp, "ds_shape", lp.shape))
         if mapping is None:
-            out.append((name, Piece(shape, 0, 0, flat[:0], None)))
+            out.append(_piece(name, shape, 0, flat, 0, 0))
             continue
         lo, n = mapping.lp_fragment_address.start, mapping.lp_fragment_address.numel
-        start = mapping.hp_fragment_address.start
-        grad = None if flat.grad is None else flat.grad.narrow(0, start, n)
-        out.append((name, Piece(shape, lo, lo + n, flat.narrow(0, start, n), grad)))
+        out.append(_piece(name, shape, lo, flat, mapping.hp_fragment_address.start, n))
     return out
+
+
+class DeepSpeedAdapter(Adapter):
+    """ZeRO-3 partitioned parameters (full shape in ``ds_shape``), the flat partitions ZeRO puts in
+    place of a group's parameters, and the engine lookup for ``"optimizer": {"type": "SWAN"}``."""
+
+    name = "deepspeed"
+
+    def claims(self, tensor: Tensor) -> bool:
+        return hasattr(tensor, "ds_shape")
+
+    def shape(self, tensor: Tensor) -> tuple[int, ...]:
+        return tuple(tensor.ds_shape)
+
+    def pieces(self, tensor: Tensor, name: str, rules: tuple[bool, ...]) -> list[Piece]:
+        # outside DeepSpeed's step (which swaps in its partitions) a ZeRO-3 parameter holds nothing here
+        return [Piece(name, self.shape(tensor), 0, 0, tensor.detach().reshape(-1)[:0], None, tensor, None, StateSlot(tensor))]
+
+    def adopt(self, originals, params, use_swan, index, group):
+        return replaced_pieces(originals, params, use_swan, index, group)
+
+    def name_bare(self, params):
+        return engine_module()
+
+    def optimizer_built(self, optimizer) -> None:
+        allow_in_zero(type(optimizer))

@@ -14,7 +14,7 @@ original matrices, not flat tensors; ``swan_dist.tag_model`` (and so ``SWAN(mode
 - ``use_orig_params=False``: the optimizer gets FlatParameters only. Each is tagged with its originals
   (:class:`Original`: name, shape, range, offset in the shard). One FlatParameter mixes SWAN matrices and
   fallback parameters, so the optimizer keeps it in a fallback group and, each step, takes one
-  :class:`FlatPiece` per original (:func:`flat_pieces`): SWAN matrices go to the engine, the fallback rule
+  piece per original (:func:`flat_pieces`): SWAN matrices go to the engine, the fallback rule
   runs on the others' pieces with *compact* state, holding their elements only, so that SWAN matrices keep
   zero optimizer state here too.
 
@@ -31,17 +31,18 @@ FlatParameter's shard. The optimizer therefore presents its state in those shape
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 from torch import Tensor, nn
 
-from swan_dist.routing import RANGE_ATTR as RANGE
-from swan_dist.routing import SHAPE_ATTR as SHAPE
-from swan_dist.routing import Piece
+from swan_dist.adapter import Adapter, Member, Piece, StateSlot, tensor_piece
 from swan_dist.selection import clean_name
 
+SHAPE = "_swan_shape"  # on an original parameter (use_orig_params=True): its full shape
+RANGE = "_swan_range"  # ... and the range [lo, hi) of its flattened form this rank holds
 ORIGINALS = "_swan_originals"  # on a FlatParameter (use_orig_params=False): its Original records
 FLAT = "_swan_flat"  # on an original parameter (use_orig_params=True): its FlatParameter
 STEPS = "step_per_original"  # in checkpoints (use_orig_params=False): AdamW step count per fallback original
@@ -60,17 +61,6 @@ class Original:
     module: nn.Module  # the module it belongs to, for the classifier (nn.Linear weight, ...)
     param_name: str
     embedding: bool  # an nn.Embedding weight, or tied with one
-
-
-@dataclass
-class FlatPiece(Piece):
-    """One original's piece of a FlatParameter's local shard. A fallback original's ``slot = (j, a, b)``
-    places it in the FlatParameter's compact fallback state: step count ``j`` (of ``counts``), elements
-    ``[a, b)`` (of ``size``). A SWAN matrix has ``slot=None``: no state."""
-
-    slot: tuple[int, int, int] | None
-    counts: int
-    size: int
 
 
 def register(model: nn.Module) -> int:
@@ -124,31 +114,15 @@ def originals(param: Tensor) -> tuple[Original, ...] | None:
     return found
 
 
-def is_flat_piece(param: Tensor) -> bool:
-    return hasattr(param, RANGE)
-
-
-def flat_piece(param: Tensor) -> Piece:
-    """This rank's piece of an original parameter under ``use_orig_params=True``."""
-    lo, hi = getattr(param, RANGE)
-    local = param.detach().reshape(-1)
-    if local.numel() != hi - lo:
-        raise ValueError(
-            f"swan_dist: an FSDP1 parameter of shape {getattr(param, SHAPE)} holds {local.numel()} local "
-            f"elements, its recorded range [{lo}, {hi}) says {hi - lo}: was the model re-sharded?"
-        )
-    grad = None if param.grad is None else param.grad.reshape(-1)
-    return Piece(getattr(param, SHAPE), lo, hi, local, grad)
-
-
 def _fallback_spans(flat: Tensor, use_swan: Sequence[bool]) -> list[tuple[int, int]]:
     """(offset in the shard, local numel) of each fallback original, in order: the compact layout."""
     return [(o.offset, o.hi - o.lo) for o, swan in zip(getattr(flat, ORIGINALS), use_swan) if not swan]
 
 
-def flat_pieces(flat: Tensor, use_swan: Sequence[bool]) -> list[tuple[str, FlatPiece]]:
+def flat_pieces(flat: Tensor, use_swan: Sequence[bool]) -> list[Piece]:
     """Every original's piece of this rank's shard of ``flat`` (views of the shard and its gradient),
-    ``use_swan`` telling which originals are SWAN matrices (they get no compact state slot)."""
+    ``use_swan`` telling which originals are SWAN matrices. A fallback original's state lives in the
+    FlatParameter's *compact* state: its own step count and its elements only (SWAN matrices: none)."""
     origs = getattr(flat, ORIGINALS)
     if flat.numel() != flat._sharded_size.numel():
         raise ValueError(
@@ -162,11 +136,12 @@ def flat_pieces(flat: Tensor, use_swan: Sequence[bool]) -> list[tuple[str, FlatP
     out, j, a = [], 0, 0
     for o, swan in zip(origs, use_swan):
         n = o.hi - o.lo
-        slot = None if swan else (j, a, a + n)
+        slot = StateSlot(flat) if swan else StateSlot(flat, j, a, a + n, size, counts)
         if not swan:
             j, a = j + 1, a + n
+        view = local.narrow(0, o.offset, n)
         g = None if grad is None else grad.narrow(0, o.offset, n)
-        out.append((o.name, FlatPiece(o.shape, o.lo, o.hi, local.narrow(0, o.offset, n), g, slot, counts, size)))
+        out.append(Piece(o.name, o.shape, o.lo, o.hi, view, g, view, g, slot))
     return out
 
 
@@ -221,3 +196,65 @@ def placeholder_state(param: Tensor, stateful: set[int]) -> dict | None:
     if flat is None or id(param) in stateful or not any(id(q) in stateful for q in flat._params):
         return None
     return {"exp_avg": torch.zeros_like(param), "exp_avg_sq": torch.zeros_like(param)}
+
+
+class FlatParamAdapter(Adapter):
+    """``use_orig_params=False``: a FlatParameter stands for its originals, each classified and stepped
+    alone; its state is kept compact and shown to FSDP1's checkpoint code in the FlatParameter's layout."""
+
+    name = "fsdp1-flat"
+
+    def prepare(self, model: nn.Module) -> None:
+        register(model)  # both flavours: FlatParameters' originals, and original parameters' ranges
+
+    def claims(self, tensor: Tensor) -> bool:
+        return getattr(tensor, "_is_flat_param", False)
+
+    def members(self, tensor: Tensor, name: str | None) -> list[Member]:
+        return [Member(o.name, o.shape, o, o.module, o.param_name, o.embedding) for o in originals(tensor)]
+
+    def shape(self, tensor: Tensor) -> tuple[int, ...]:
+        return (sum(math.prod(o.shape) for o in originals(tensor)),)
+
+    def pieces(self, tensor: Tensor, name: str, rules: tuple[bool, ...]) -> list[Piece]:
+        return flat_pieces(tensor, rules)
+
+    def export_state(self, tensor: Tensor, state: dict, rules: tuple[bool, ...], stateful: set[int]) -> dict:
+        return dense_state(tensor, rules, state)
+
+    def import_state(self, tensor: Tensor, state: dict, rules: tuple[bool, ...]) -> dict:
+        return compact_state(tensor, rules, state)
+
+
+class OrigParamAdapter(Adapter):
+    """``use_orig_params=True``: each original parameter is a flat view of its part of the shard; the
+    range it holds was recorded by :func:`register`."""
+
+    name = "fsdp1-orig"
+
+    def claims(self, tensor: Tensor) -> bool:
+        return hasattr(tensor, RANGE) or getattr(tensor, "_fsdp_flattened", False)
+
+    def shape(self, tensor: Tensor) -> tuple[int, ...]:
+        return getattr(tensor, SHAPE, None) or tuple(tensor.shape)
+
+    def check(self, tensor: Tensor, name: str) -> None:
+        if not hasattr(tensor, RANGE):
+            raise ValueError(
+                f"swan_dist: {name} is a flattened shard of an FSDP1 (FullyShardedDataParallel) parameter whose FSDP "
+                "unit SWAN never saw, so its name, shape and layout are unknown. Pass the FSDP root module: "
+                "SWAN(fsdp_model), or call swan_dist.tag_model(fsdp_model) before SWAN(fsdp_model.parameters())"
+            )
+
+    def pieces(self, tensor: Tensor, name: str, rules: tuple[bool, ...]) -> list[Piece]:
+        lo, hi = getattr(tensor, RANGE)
+        if tensor.numel() != hi - lo:
+            raise ValueError(
+                f"swan_dist: FSDP1 parameter {name!r} of shape {getattr(tensor, SHAPE)} holds {tensor.numel()} local "
+                f"elements, its recorded range [{lo}, {hi}) says {hi - lo}: was the model re-sharded?"
+            )
+        return [tensor_piece(name, tensor, shape=getattr(tensor, SHAPE), lo=lo, grad=tensor.grad)]
+
+    def export_state(self, tensor: Tensor, state: dict, rules: tuple[bool, ...], stateful: set[int]) -> dict:
+        placeholder = placeholder_state(tensor, stateful)
+        return state if placeholder is None else placeholder

@@ -21,13 +21,10 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim.adam import adam as _adam_functional
 
-from swan_dist.integrations import locate
-from swan_dist.integrations import fsdp1
-from swan_dist.integrations.deepspeed import allow_in_zero, engine_module, replaced_pieces
-
+from .adapter import Member, Piece, adapter_for, adopt, name_bare_params, optimizer_built
 from .functional import WhitenConfig, resolve_dtype, swan_update
 from .presets import OPTIMIZER_KEYS, load_preset
-from .routing import Exchange, MatrixSpec, Piece, agree_on_step, build_plan, full_shape
+from .routing import Exchange, MatrixSpec, StepAgreement, build_plan, comm_device
 from .selection import Rule, classify, collapse_name, param_groups, tag_model, tagged_name
 
 __all__ = ["SWAN", "FALLBACKS"]
@@ -97,7 +94,11 @@ class SWAN(torch.optim.Optimizer):
             (every rank whitens every matrix: the paper's w/o MP) or ``local`` (each rank whitens what
             it holds; only for whole, replicated matrices).
         bucket_mb: bound, in MB of full fp32 matrices, of one exchange bucket (the owner's transient memory).
-        process_group: the data-parallel group the matrices are sharded/replicated over (default: world).
+        process_group: the group the matrices are sharded/replicated over (default: world); with
+            tensor parallelism, the whole TP x DP mesh.
+        strict: raise ``ValueError`` (instead of a warning) when SWAN would whiten 2-D tensors it cannot
+            name (bare ``model.parameters()``: embeddings and the output head would be whitened), or
+            ends up whitening none of the 2-D tensors it was given.
         verbose: print the start-up summary (rank 0 only).
     """
 
@@ -123,6 +124,7 @@ class SWAN(torch.optim.Optimizer):
         mode: str = "auto",
         bucket_mb: float = 256.0,
         process_group: dist.ProcessGroup | None = None,
+        strict: bool = False,
         verbose: bool = True,
     ) -> None:
         defaults: dict[str, Any] = dict(_BASE)
@@ -149,7 +151,8 @@ class SWAN(torch.optim.Optimizer):
         self._include, self._exclude = list(include or ()), list(exclude or ())
         self._rows: list[tuple[str, tuple[int, ...], str, Rule]] = []  # for the summary, not state
         self._origin: list[list[tuple[str, Tensor]]] = []  # per group: the (name, parameter) it was given
-        self._flat_rules: dict[Tensor, tuple[bool, ...]] = {}  # FSDP1 FlatParameter -> use_swan per original
+        self._packed: dict[Tensor, tuple[bool, ...]] = {}  # a tensor packing several parameters -> use_swan each
+        self._agreement = StepAgreement()
         self.nonfinite_skips: Counter[str] = Counter()
         self.whitened_matrices = 0  # matrices whitened so far (SWAN work done, for accounting)
         if isinstance(params, nn.Module):
@@ -157,18 +160,38 @@ class SWAN(torch.optim.Optimizer):
         else:
             params = list(params)
             bare = [p for p in params if isinstance(p, Tensor)]
-            if bare and all(tagged_name(p) is None for p in bare) and (model := engine_module()) is not None:
-                tag_model(model, self._include, self._exclude)  # built by DeepSpeed from "type": "SWAN"
+            if bare and all(tagged_name(p) is None for p in bare) and (model := name_bare_params(bare)) is not None:
+                tag_model(model, self._include, self._exclude)  # e.g. built by DeepSpeed from "type": "SWAN"
         super().__init__(params, defaults)
-        allow_in_zero(type(self))
+        optimizer_built(self)
+        self._warn_unnamed(strict)
         if verbose and _rank0():
             print(self.summary(), flush=True)
+
+    def _warn_unnamed(self, strict: bool) -> None:
+        """No silent whitening of what SWAN cannot name, nor a model with nothing whitened: decided from
+        shapes and names every rank sees alike, before any collective."""
+        unnamed = [label for label, shape, _, rule in self._rows if rule.use_swan and rule.reason.startswith("2-D tensor, name unknown")]
+        matrices = [row for row in self._rows if len(row[1]) == 2 and not row[3].reason.startswith("param group")]
+        msg = None
+        if unnamed:
+            msg = (f"swan_dist.SWAN was given {len(unnamed)} 2-D tensors without names (e.g. {unnamed[:3]}) and whitens "
+                   "them all, embeddings and output head included. Pass the model, SWAN(model), or "
+                   "model.named_parameters(), or call swan_dist.tag_model(model) first")
+        elif matrices and not any(row[3].use_swan for row in matrices):
+            msg = (f"swan_dist.SWAN whitens none of the {len(matrices)} 2-D tensors it was given (e.g. "
+                   f"{[(r[0], list(r[1]), r[3].reason) for r in matrices[:3]]}); pass the model that owns them, SWAN(model)")
+        if msg is None:
+            return
+        if strict:
+            raise ValueError(msg + " (strict=True)")
+        warnings.warn(msg + "; strict=True makes this an error", UserWarning, stacklevel=3)
 
     # torch's Optimizer pickles only defaults/state/param_groups; keep our settings too. The plan is
     # rebuilt on the next step; a process group cannot be copied (a copy uses the default group
     # until ``process_group`` is set again).
     _PICKLED = ("preset", "mode", "bucket_mb", "_include", "_exclude", "_rows", "_origin", "nonfinite_skips",
-                "whitened_matrices", "_flat_rules")
+                "whitened_matrices", "_packed")
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
@@ -180,6 +203,7 @@ class SWAN(torch.optim.Optimizer):
         # unpickling: absent, so defaults; torch's load_state_dict also calls this: keep what is set
         for key, default in (("process_group", None), ("_plan", None), ("_plans", {})):
             self.__dict__.setdefault(key, default)
+        self.__dict__.setdefault("_agreement", StepAgreement())
 
     # ------------------------------------------------------------------ groups and summary
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -199,13 +223,16 @@ class SWAN(torch.optim.Optimizer):
         for i, p in enumerate(raw):
             name = names[i] if names is not None else tagged_name(p)
             label = name if name is not None else f"<unnamed {len(self._rows)}>"
-            origs = fsdp1.originals(p)
-            if origs is not None:  # an FSDP1 FlatParameter: each original gets its rule; the tensor stays
-                # whole in the fallback group, whose state holds its fallback originals' elements only
-                self._flat_rules[p] = tuple(self._rule(o.name, o.name, o, forced, group) for o in origs)
+            adapter = adapter_for(p)
+            adapter.check(p, label)  # layouts no adapter supports are refused here, on every rank alike
+            members = adapter.members(p, name)
+            if len(members) > 1 or members[0].holder is not p:  # a tensor packing several parameters (an FSDP1
+                # FlatParameter): each gets its rule; the tensor sits in the fallback group, whose rule keeps
+                # state for its fallback members only
+                self._packed[p] = tuple(self._rule(m.name, m.name, m, forced, group) for m in members)
                 use = False
             else:
-                use = self._rule(name, label, p, forced, group)
+                use = self._rule(name, label, members[0], forced, group)
             split[use][0].append(p)
             split[use][1].append(label)
         for use in (True, False):
@@ -217,9 +244,9 @@ class SWAN(torch.optim.Optimizer):
                 super().add_param_group(g)
                 self._origin.append(list(zip(ns, ps)))
 
-    def _rule(self, name: str | None, label: str, p: Any, forced: bool | None, group: dict) -> bool:
-        """Rule of one parameter (or FSDP1 original), recorded for the summary; True for SWAN."""
-        shape = full_shape(p)
+    def _rule(self, name: str | None, label: str, p: Member, forced: bool | None, group: dict) -> bool:
+        """Rule of one logical parameter, recorded for the summary; True for SWAN."""
+        shape = p.shape
         if forced is not None:
             rule = Rule(bool(forced), f"param group use_swan={bool(forced)}")
             if rule.use_swan and len(shape) < 2:
@@ -243,7 +270,7 @@ class SWAN(torch.optim.Optimizer):
             f"{len(self._rows) - n_swan} tensors on the fallback rule",
         ]
         for g in self.param_groups:
-            if g["params"] and (g["use_swan"] or any(any(self._flat_rules.get(p, ())) for p in g["params"])):
+            if g["params"] and (g["use_swan"] or any(any(self._packed.get(p, ())) for p in g["params"])):
                 dev = g["params"][0].device
                 dt = str(resolve_dtype(_whiten_config(g), dev)).replace("torch.", "")
                 head.append(
@@ -261,32 +288,33 @@ class SWAN(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """torch's state dict, plus an empty entry for every parameter without state (SWAN matrices,
         stateless fallbacks): zero bytes, but ``torch.distributed.checkpoint.set_state_dict`` in strict
-        mode requires an entry for every trainable parameter."""
+        mode requires an entry for every trainable parameter. Each adapter then shows its tensors' state
+        in the layout its framework's checkpoint code expects (``Adapter.export_state``)."""
         sd = super().state_dict()
         for g in sd["param_groups"]:
             for i in g["params"]:
                 sd["state"].setdefault(i, {})
-        # FSDP1 converts this dict (FSDP.optim_state_dict) expecting every original of a FlatParameter
-        # to carry state of the FlatParameter's layout: integrations/fsdp1.py explains why and how.
         stateful = {id(p) for g in self.param_groups if not g["use_swan"] and g["fallback"] == "adamw"
                     for p in g["params"]}
-        for i, p in enumerate(p for g in self.param_groups for p in g["params"]):
-            if p in self._flat_rules:
-                sd["state"][i] = fsdp1.dense_state(p, self._flat_rules[p], sd["state"][i])
-            elif (placeholder := fsdp1.placeholder_state(p, stateful)) is not None:
-                sd["state"][i] = placeholder
+        i = 0
+        for g in self.param_groups:
+            for p in g["params"]:
+                rules = self._packed.get(p, (g["use_swan"],))
+                sd["state"][i] = adapter_for(p).export_state(p, sd["state"][i], rules, stateful)
+                i += 1
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """torch's, then back from FSDP1's layouts (see :meth:`state_dict`): a FlatParameter's state to
-        its compact form, and the zero placeholders of stateless parameters dropped."""
+        """torch's, then each tensor's state back from its framework's layout (``Adapter.import_state``);
+        stateless parameters keep none."""
         super().load_state_dict(state_dict)
         for g in self.param_groups:
             for p in g["params"]:
-                if p in self._flat_rules and self.state.get(p):
-                    self.state[p] = fsdp1.compact_state(p, self._flat_rules[p], self.state[p])
-                elif g["use_swan"] or g["fallback"] != "adamw":
+                rules = self._packed.get(p)
+                if rules is None and (g["use_swan"] or g["fallback"] != "adamw"):
                     self.state.pop(p, None)
+                elif self.state.get(p):
+                    self.state[p] = adapter_for(p).import_state(p, self.state[p], rules or (g["use_swan"],))
 
     # ------------------------------------------------------------------ step
     @torch.no_grad()
@@ -295,29 +323,34 @@ class SWAN(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        entries, pieces = self._entries()
-        codes = self._grad_codes(pieces)
         world, group = self._world()
+        entries = self._entries(group)
+        pieces = [pc for _, pc in entries]
         local = world == 1 or self._mode(world) == "local"
+        device = self._comm_device(pieces) if world > 1 else None
+        codes = self._grad_codes(pieces, device)
         if local:  # code 3: a SWAN matrix this rank holds only part of, which local mode cannot whiten
-            codes = [3 if g["use_swan"] and not pc.whole else c for (g, _, _), pc, c in zip(entries, pieces, codes)]
+            part = [i for i, (g, pc) in enumerate(entries) if g["use_swan"] and not pc.whole]
+            if part:
+                codes[torch.tensor(part, device=codes.device)] = 3
         layout_key = None
         if world > 1:
-            cfg_hash = self._config_hash(entries, pieces)
-            ok, layouts, codes = agree_on_step(codes, cfg_hash, self._layout_hash(pieces), group, self._comm_device())
-            layout_key = (cfg_hash, *layouts)
+            cfg_hash = self._config_hash(entries)
+            ok, flags = self._agreement(codes, cfg_hash, self._layout_hash(pieces), group)
             if not ok:
-                self._raise_config_mismatch(entries, pieces, group)
-        sharded = [entries[i][2] for i, c in enumerate(codes) if c == 3]
+                self._raise_config_mismatch(entries, group)
+            layout_key = (cfg_hash, self._agreement.layouts)
+        else:
+            flags = codes.tolist()
+        sharded = [entries[i][1].name for i, c in enumerate(flags) if c == 3]
         if sharded:  # decided from agreed codes: every rank raises
             raise ValueError(
                 f"swan_dist: {sharded[:4]} are sharded; mode='local' needs whole matrices on every rank "
                 "(use mode='owner' or 'replicated')"
             )
-        has_grad = [c > 0 for c in codes]
-        bad = [i for i, c in enumerate(codes) if c == 2]
+        bad = [i for i, c in enumerate(flags) if c == 2]
         if bad:
-            names = [entries[i][2] for i in bad]
+            names = [entries[i][1].name for i in bad]
             if any(entries[i][0]["nonfinite"] == "raise" for i in bad):
                 raise FloatingPointError(
                     f"SWAN: non-finite gradient in {names[:8]}{' ...' if len(names) > 8 else ''}; "
@@ -325,44 +358,42 @@ class SWAN(torch.optim.Optimizer):
                 )
             self.nonfinite_skips.update(names)
             warnings.warn(f"SWAN: non-finite gradient, update skipped for {names[:8]}", RuntimeWarning)
-        skip = set(bad) | {i for i, h in enumerate(has_grad) if not h}
-        todo: dict[int, list[int]] = defaultdict(list)  # fallback entries per group, in group order
-        for i, (g, _, _) in enumerate(entries):
-            if not g["use_swan"] and i not in skip and pieces[i].grad is not None:
-                todo[id(g)].append(i)
+        skip = {i for i, c in enumerate(flags) if c != 1}  # non-finite anywhere, or no gradient anywhere
+        todo: dict[int, list[Piece]] = defaultdict(list)  # fallback pieces per group, in group order
+        for i, (g, pc) in enumerate(entries):
+            if not g["use_swan"] and i not in skip and pc.target_grad is not None:
+                todo[id(g)].append(pc)
         for g in self.param_groups:
             if todo.get(id(g)):
-                idx = todo[id(g)]
-                getattr(self, f"_fallback_{g['fallback']}")(g, [entries[i][1] for i in idx], [pieces[i] for i in idx])
-        swan = [i for i, (g, _, _) in enumerate(entries) if g["use_swan"]]
+                getattr(self, f"_fallback_{g['fallback']}")(g, todo[id(g)])
+        swan = [i for i, (g, _) in enumerate(entries) if g["use_swan"]]
         if local:
-            self._swan_local(entries, pieces, [i for i in swan if i not in skip and pieces[i].grad is not None])
+            self._swan_local(entries, [i for i in swan if i not in skip and pieces[i].grad is not None])
         elif swan:  # the agreed config hash covers the entries: every rank takes this branch or none does
-            self._swan_distributed(entries, pieces, swan, skip, layout_key, group)
+            self._swan_distributed(entries, swan, skip, layout_key, group, device)
         return loss
 
-    def _entries(self) -> tuple[list[tuple[dict, Tensor, str]], list[Piece]]:
-        """(group, tensor, name) and this rank's piece, per parameter (for a group whose tensors a
-        framework replaced, per original parameter: see ``integrations.deepspeed.replaced_pieces``). An
-        FSDP1 FlatParameter (``use_orig_params=False``) gives one entry per original parameter."""
-        entries, pieces = [], []
+    def _entries(self, group) -> list[tuple[dict, Piece]]:
+        """(param group, this rank's piece) per logical parameter. A tensor packing several parameters
+        gives one entry each; a group whose tensors a framework replaced is adopted through the adapters."""
+        entries = []
         for gi, g in enumerate(self.param_groups):
             origin = self._origin[gi]
             if len(origin) != len(g["params"]) or any(p is not q for (_, q), p in zip(origin, g["params"])):
-                for name, t, pc in replaced_pieces(origin, g["params"], g["use_swan"], gi, self._world()[1]):
-                    entries.append((g, t, name))
-                    pieces.append(pc)
+                found, one_to_one = adopt(origin, g["params"], g["use_swan"], gi, group)
+                if one_to_one:  # the new tensors stand for the old for good; hold no reference to the old
+                    self._origin[gi] = [(n, p) for (n, _), p in zip(origin, g["params"])]
+                entries += [(g, pc) for pc in found]
                 continue
-            swan_g = {**g, "use_swan": True}  # this group's options, for FlatParameters' SWAN matrices
+            swan_g = {**g, "use_swan": True}  # this group's options, for a packed tensor's SWAN members
             for p, name in self._named(g):
-                if p in self._flat_rules:  # FSDP1 FlatParameter: one entry per original
-                    for use, (oname, pc) in zip(self._flat_rules[p], fsdp1.flat_pieces(p, self._flat_rules[p])):
-                        entries.append((swan_g if use else g, p, oname))
-                        pieces.append(pc)
+                rules = self._packed.get(p)
+                found = adapter_for(p).pieces(p, name, rules or (g["use_swan"],))
+                if rules is None:
+                    entries.append((g, found[0]))
                 else:
-                    entries.append((g, p, name))
-                    pieces.append(locate(p, name))
-        return entries, pieces
+                    entries += [(swan_g if use else g, pc) for use, pc in zip(rules, found)]
+        return entries
 
     @staticmethod
     def _named(group: dict) -> list[tuple[Tensor, str]]:
@@ -372,18 +403,19 @@ class SWAN(torch.optim.Optimizer):
         return list(zip(group["params"], names))
 
     @staticmethod
-    def _grad_codes(pieces: list[Piece]) -> list[int]:
-        """Per parameter: 0 no local gradient, 1 finite, 2 NaN/Inf (one host sync per device)."""
-        codes = [0 if pc.grad is None else 1 for pc in pieces]
+    def _grad_codes(pieces: list[Piece], device: torch.device | None) -> Tensor:
+        """Per piece: 0 no local gradient, 1 finite, 2 NaN/Inf, as an int32 tensor on ``device`` (the
+        communication device; the CPU without one), computed without a host sync."""
+        out = torch.zeros(len(pieces), dtype=torch.int32, device=device or "cpu")
         by_device: defaultdict = defaultdict(list)
         for i, pc in enumerate(pieces):
             if pc.grad is not None:
-                by_device[pc.grad.device].append(i)
-        for idx in by_device.values():
-            ok = torch.stack([pieces[i].grad.isfinite().all() for i in idx]).tolist()
-            for i, fine in zip(idx, ok):
-                codes[i] = 1 if fine else 2
-        return codes
+                by_device[pc.grad.device].append((i, pc.grad))
+        for items in by_device.values():
+            finite = torch.stack([g.isfinite().all() for _, g in items])
+            idx = torch.tensor([i for i, _ in items], device=out.device)
+            out[idx] = 2 - finite.to(out.device, torch.int32)
+        return out
 
     # ------------------------------------------------------------------ SWAN matrices
     def _apply(self, group: dict, param: Tensor, update: Tensor) -> None:
@@ -391,46 +423,45 @@ class SWAN(torch.optim.Optimizer):
         wd = float(group["weight_decay"])
         if wd:
             param.mul_(1.0 - lr * wd)
-        param.add_(update.to(param.dtype), alpha=-lr)
+        param.add_(update.to(param.device, param.dtype), alpha=-lr)
 
-    def _swan_local(self, entries: list, pieces: list[Piece], todo: list[int]) -> None:
+    def _swan_local(self, entries: list, todo: list[int]) -> None:
         """Every matrix whole on this rank: whiten here, batched over same shape and config."""
         batches: defaultdict = defaultdict(list)
         for i in todo:
-            pc = pieces[i]
+            g, pc = entries[i]
             if pc.grad.is_sparse:
                 raise RuntimeError("SWAN does not support sparse gradients")
-            batches[(pc.shape, pc.grad.dtype, pc.grad.device, _whiten_config(entries[i][0]))].append(i)
+            batches[(pc.shape, pc.grad.dtype, pc.grad.device, _whiten_config(g))].append(i)
         for (shape, _, _, cfg), idx in batches.items():
             per = max(1, _MAX_BATCH_BYTES // max(1, 4 * torch.Size(shape).numel()))
             for k in range(0, len(idx), per):
-                chunk = idx[k : k + per]
-                upd, _ = swan_update(torch.stack([pieces[i].grad.view(shape) for i in chunk]), cfg)
-                for i, u in zip(chunk, upd):
-                    self._apply(entries[i][0], pieces[i].param, u.reshape(-1))
+                chunk = [entries[i] for i in idx[k : k + per]]
+                upd, _ = swan_update(torch.stack([pc.layout.to_full(pc.grad, shape) for _, pc in chunk]), cfg)
+                for (g, pc), u in zip(chunk, upd):
+                    self._apply(g, pc.param, pc.layout.from_full(u))
                 self.whitened_matrices += len(chunk) * max(1, torch.Size(shape[:-2]).numel())
 
-    def _swan_distributed(self, entries, pieces, swan, skip, layout_key, group) -> None:
+    def _swan_distributed(self, entries, swan, skip, layout_key, group, device) -> None:
         """Owner / replicated engine: whiten each matrix on its owner(s), updates back to the holders.
         Plans are cached per (config, layouts): ZeRO-3 steps each sub-group alone, each with its plan."""
+        pieces = [entries[i][1] for i in swan]
         self._plan = self._plans.get(layout_key)
-        if self._plan is None:
-            specs = [MatrixSpec(entries[i][2], pieces[i].shape, _whiten_config(entries[i][0])) for i in swan]
+        if self._plan is None or self._plan.device != device:
+            specs = [MatrixSpec(pc.name, pc.shape, _whiten_config(entries[i][0]), pc.layout) for i, pc in zip(swan, pieces)]
             ranges: list = [None] * dist.get_world_size(group)
-            dist.all_gather_object(ranges, [(pieces[i].lo, pieces[i].hi) for i in swan], group=group)
+            dist.all_gather_object(ranges, [(pc.lo, pc.hi) for pc in pieces], group=group)
             plan = build_plan(specs, ranges, self._mode(len(ranges)), int(self.bucket_mb * 2**20))
-            dtypes = [entries[i][1].dtype for i in swan]
-            self._plan = Exchange(plan, dist.get_rank(group), group, self._comm_device(), dtypes)
+            self._plan = Exchange(plan, dist.get_rank(group), group, device, [pc.param.dtype for pc in pieces])
             if len(self._plans) >= 64:  # layouts that keep changing (re-sharding): do not grow without bound
                 self._plans.clear()
             self._plans[layout_key] = self._plan
         local_skip = {m for m, i in enumerate(swan) if i in skip}
 
         def on_update(m: int, u: Tensor) -> None:
-            i = swan[m]
-            self._apply(entries[i][0], pieces[i].param, u)
+            self._apply(entries[swan[m]][0], pieces[m].param, u)
 
-        self.whitened_matrices += self._plan.run([pieces[i].grad for i in swan], local_skip, on_update)
+        self.whitened_matrices += self._plan.run([pc.grad for pc in pieces], local_skip, on_update)
 
     # ------------------------------------------------------------------ distributed bookkeeping
     def _world(self) -> tuple[int, dist.ProcessGroup | None]:
@@ -443,38 +474,39 @@ class SWAN(torch.optim.Optimizer):
             return "owner" if world > 1 else "local"
         return self.mode
 
-    def _comm_device(self) -> torch.device:
-        if dist.get_backend(self.process_group) == "nccl":
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
+    def _comm_device(self, pieces: list[Piece]) -> torch.device:
+        """The exchange's device, from the group's real backend and the devices the pieces are on."""
+        devices = list(dict.fromkeys(pc.param.device for pc in pieces))
+        current = {"cuda": torch.cuda.current_device()} if torch.cuda.is_available() else {}
+        return comm_device(str(dist.get_backend(self.process_group)), devices, current)
 
-    def _descriptors(self, entries: list, pieces: list[Piece]) -> list[tuple]:
-        """What every rank must agree on, per parameter (name, shape, dtype, rule, hyper-parameters)."""
+    def _descriptors(self, entries: list) -> list[tuple]:
+        """What every rank must agree on, per parameter (name, shape, layout, dtype, rule, hyper-parameters)."""
         keys = sorted(OPTIMIZER_KEYS) + ["use_swan"]
         return [
-            (name, pc.shape, str(p.dtype), tuple((k, repr(g.get(k))) for k in keys))
-            for (g, p, name), pc in zip(entries, pieces)
+            (pc.name, pc.shape, pc.layout.col_splits, str(pc.param.dtype), tuple((k, repr(g.get(k))) for k in keys))
+            for g, pc in entries
         ] + [("<engine>", self.mode, self.bucket_mb)]
 
-    def _config_hash(self, entries: list, pieces: list[Piece]) -> int:
-        return zlib.crc32(repr(self._descriptors(entries, pieces)).encode())
+    def _config_hash(self, entries: list) -> int:
+        return zlib.crc32(repr(self._descriptors(entries)).encode())
 
     @staticmethod
     def _layout_hash(pieces: list[Piece]) -> int:
         return zlib.crc32(repr([(pc.lo, pc.hi) for pc in pieces]).encode())
 
-    def _raise_config_mismatch(self, entries: list, pieces: list[Piece], group) -> None:
+    def _raise_config_mismatch(self, entries: list, group) -> None:
         """Every rank calls this together (same gathered flags) and raises the same error."""
         everyone: list = [None] * dist.get_world_size(group)
-        dist.all_gather_object(everyone, self._descriptors(entries, pieces), group=group)
+        dist.all_gather_object(everyone, self._descriptors(entries), group=group)
         ref = everyone[0]
         for rank, desc in enumerate(everyone):
             if len(desc) != len(ref):
                 raise ValueError(f"swan_dist: rank {rank} has {len(desc) - 1} parameters, rank 0 has {len(ref) - 1}")
             for a, b in zip(ref, desc):
                 if a != b:
-                    diff = [k for (k, va), (_, vb) in zip(a[3], b[3]) if va != vb] if len(a) == 4 and len(b) == 4 else []
-                    what = f"key(s) {diff}" if diff else f"{a[1:3]} vs {b[1:3]}"
+                    diff = [k for (k, va), (_, vb) in zip(a[4], b[4]) if va != vb] if len(a) == 5 and len(b) == 5 else []
+                    what = f"key(s) {diff}" if diff else f"{a[1:4]} vs {b[1:4]}"
                     raise ValueError(
                         f"swan_dist: optimizer config differs between rank 0 and rank {rank} for parameter "
                         f"{a[0]!r} vs {b[0]!r}: {what}"
@@ -482,54 +514,45 @@ class SWAN(torch.optim.Optimizer):
         raise ValueError("swan_dist: optimizer config differs between ranks")
 
     # ------------------------------------------------------------------ fallback rules
-    # Each takes the fallback entries' tensors and pieces. A piece of an FSDP1 FlatParameter
-    # (``fsdp1.FlatPiece``) is updated through its views of the shard, its state lives in the
-    # FlatParameter's compact state; any other tensor is updated itself, with ``self.state[p]``.
-    @staticmethod
-    def _targets(params: list[Tensor], pieces: list[Piece]) -> list[tuple[Tensor, Tensor]]:
-        return [(pc.param, pc.grad) if isinstance(pc, fsdp1.FlatPiece) else (p, p.grad)
-                for p, pc in zip(params, pieces)]
-
-    def _fallback_adamw(self, group: dict, params: list[Tensor], pieces: list[Piece]) -> None:
-        """AdamW. A FlatParameter's state holds its fallback originals' elements only (SWAN matrices
-        keep none) and one step count per original, so each original is skipped or updated alone."""
+    # Each updates its pieces' targets from their target gradients, with state where the piece's
+    # adapter put it (``Piece.slot``): whole tensors of the target's shape, or a span of a packed
+    # tensor's compact state.
+    def _fallback_adamw(self, group: dict, pieces: list[Piece]) -> None:
         exp_avgs, exp_avg_sqs, steps = [], [], []
-        for p, pc in zip(params, pieces):
-            st = self.state[p]
-            if isinstance(pc, fsdp1.FlatPiece):
+        for pc in pieces:
+            s = pc.slot
+            st = self.state[s.key]
+            if s.index is None:
                 if not st:
-                    st.update(step=torch.zeros(pc.counts), exp_avg=p.new_zeros(pc.size),
-                              exp_avg_sq=p.new_zeros(pc.size))
-                j, a, b = pc.slot
-                exp_avgs.append(st["exp_avg"][a:b])
-                exp_avg_sqs.append(st["exp_avg_sq"][a:b])
-                steps.append(st["step"][j])
+                    st["step"] = torch.tensor(0.0)
+                    st["exp_avg"] = torch.zeros_like(pc.target, memory_format=torch.preserve_format)
+                    st["exp_avg_sq"] = torch.zeros_like(pc.target, memory_format=torch.preserve_format)
+                exp_avgs.append(st["exp_avg"])
+                exp_avg_sqs.append(st["exp_avg_sq"])
+                steps.append(st["step"])
                 continue
             if not st:
-                st["step"] = torch.tensor(0.0)
-                st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            exp_avgs.append(st["exp_avg"])
-            exp_avg_sqs.append(st["exp_avg_sq"])
-            steps.append(st["step"])
+                st.update(step=torch.zeros(s.counts), exp_avg=s.key.new_zeros(s.size), exp_avg_sq=s.key.new_zeros(s.size))
+            exp_avgs.append(st["exp_avg"][s.a:s.b])
+            exp_avg_sqs.append(st["exp_avg_sq"][s.a:s.b])
+            steps.append(st["step"][s.index])
         b1, b2 = group["betas"]
-        targets = self._targets(params, pieces)
         _adam_functional(
-            [t for t, _ in targets], [g for _, g in targets], exp_avgs, exp_avg_sqs, [], steps,
+            [pc.target for pc in pieces], [pc.target_grad for pc in pieces], exp_avgs, exp_avg_sqs, [], steps,
             decoupled_weight_decay=True, amsgrad=False, beta1=b1, beta2=b2, lr=group["lr"],
             weight_decay=group["weight_decay"], eps=group["eps"], maximize=False,
         )
 
-    def _fallback_sign(self, group: dict, params: list[Tensor], pieces: list[Piece]) -> None:
+    def _fallback_sign(self, group: dict, pieces: list[Piece]) -> None:
         lr, wd = float(group["lr"]), float(group["weight_decay"])
-        for p, g in self._targets(params, pieces):
+        for pc in pieces:
             if wd:
-                p.mul_(1.0 - lr * wd)
-            p.add_(g.sign(), alpha=-lr)
+                pc.target.mul_(1.0 - lr * wd)
+            pc.target.add_(pc.target_grad.sign(), alpha=-lr)
 
-    def _fallback_sgd(self, group: dict, params: list[Tensor], pieces: list[Piece]) -> None:
+    def _fallback_sgd(self, group: dict, pieces: list[Piece]) -> None:
         lr, wd = float(group["lr"]), float(group["weight_decay"])
-        for p, g in self._targets(params, pieces):
+        for pc in pieces:
             if wd:
-                p.mul_(1.0 - lr * wd)
-            p.add_(g, alpha=-lr)
+                pc.target.mul_(1.0 - lr * wd)
+            pc.target.add_(pc.target_grad, alpha=-lr)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Hashable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -29,37 +29,68 @@ from torch import Tensor
 
 from .functional import WhitenConfig, swan_update, whiten_flops
 
-__all__ = ["SHAPE_ATTR", "RANGE_ATTR", "full_shape", "Piece", "MatrixSpec", "Plan", "Bucket", "build_plan", "cover", "Exchange", "Segment", "agree_on_step"]
+__all__ = ["Layout", "ROW_MAJOR", "MatrixSpec", "Plan", "Bucket", "build_plan", "cover", "Exchange", "Segment", "StepAgreement", "swan_compute", "swan_cost"]
 
 Range = tuple[int, int]
 Segment = tuple[int, int, int]  # (matrix index, lo, hi)
 
 
-# Adapters whose local tensor is a piece of a parameter (FSDP1's flat views, ZeRO-3's partitions) record
-# the full shape and the piece's range on the parameter under these attribute names.
-SHAPE_ATTR = "_swan_shape"
-RANGE_ATTR = "_swan_range"
+@dataclass(frozen=True)
+class Layout:
+    """The canonical order in which a matrix's elements are numbered for the exchange.
+
+    The last dim is cut into column blocks ``[0, c_1), [c_1, c_2), ..., [c_k, n)`` (``col_splits`` =
+    ``(c_1, ..., c_k)``), numbered block after block, each block in row-major order over all other dims.
+    ``()`` is plain row-major order. A tensor-parallel column split (``Shard(1)``, a row-parallel
+    layer) makes each rank's block, and any row range of it, one contiguous range of this order;
+    the owner maps the assembled buffer back with :meth:`to_full` (SWAN is equivariant to row and
+    column permutations but not to transposition, so blocks are put back along columns).
+    """
+
+    col_splits: tuple[int, ...] = ()
+
+    def _blocks(self, n: int) -> list[tuple[int, int]]:
+        bounds = (0, *self.col_splits, n)
+        return list(zip(bounds[:-1], bounds[1:]))
+
+    def to_full(self, flat: Tensor, shape: Sequence[int]) -> Tensor:
+        """The matrix (``shape``) whose canonical-order elements are ``flat``."""
+        if not self.col_splits:
+            return flat.view(*shape)
+        lead, parts, off = tuple(shape[:-1]), [], 0
+        rows = math.prod(lead)
+        for a, b in self._blocks(shape[-1]):
+            parts.append(flat[off: off + rows * (b - a)].view(*lead, b - a))
+            off += rows * (b - a)
+        return torch.cat(parts, dim=-1)
+
+    def from_full(self, full: Tensor) -> Tensor:
+        """Inverse of :meth:`to_full`: the matrix's elements in canonical order, flat."""
+        if not self.col_splits:
+            return full.reshape(-1)
+        return torch.cat([full[..., a:b].reshape(-1) for a, b in self._blocks(full.shape[-1])])
+
+    def box_range(self, shape: Sequence[int], start: Sequence[int], size: Sequence[int]) -> Range | None:
+        """The canonical range of the box ``start[d] <= i_d < start[d] + size[d]`` (a DTensor's local
+        shard), or ``None`` where the box is not one contiguous range of this order."""
+        if 0 in size:
+            return (0, 0)
+        blocks = self._blocks(shape[-1])
+        if (start[-1], start[-1] + size[-1]) not in blocks:
+            return None
+        width = size[-1]
+        dims = [*shape[:-1], width]
+        box_start, box_size = [*start[:-1], 0], [*size[:-1], width]
+        # contiguous iff every dim before the last one it does not cover whole is a single index
+        not_whole = [d for d in range(len(dims)) if box_size[d] != dims[d]]
+        if not_whole and any(box_size[d] != 1 for d in range(not_whole[-1])):
+            return None
+        strides = [math.prod(dims[d + 1:]) for d in range(len(dims))]
+        lo = math.prod(shape[:-1]) * start[-1] + sum(s * t for s, t in zip(box_start, strides))
+        return (lo, lo + math.prod(box_size))
 
 
-def full_shape(param: Tensor) -> tuple[int, ...]:
-    """The shape of the whole parameter, whatever piece of it this rank holds (DTensors: global)."""
-    return getattr(param, SHAPE_ATTR, None) or tuple(param.shape)
-
-
-@dataclass
-class Piece:
-    """This rank's piece of one parameter: elements ``[lo, hi)`` of the flattened full tensor of
-    ``shape``, with flat views of the local parameter and gradient (``grad`` None if it has none)."""
-
-    shape: tuple[int, ...]
-    lo: int
-    hi: int
-    param: Tensor
-    grad: Tensor | None
-
-    @property
-    def whole(self) -> bool:
-        return self.lo == 0 and self.hi == math.prod(self.shape)
+ROW_MAJOR = Layout()
 
 
 @dataclass(frozen=True)
@@ -68,7 +99,8 @@ class MatrixSpec:
 
     key: str
     shape: tuple[int, ...]  # full shape, >= 2-D; leading dims are a stack of matrices
-    cfg: WhitenConfig
+    cfg: Hashable  # the per-matrix computation's options (SWAN: a WhitenConfig)
+    layout: Layout = ROW_MAJOR  # the canonical order the ranks' ranges number elements in
 
     @property
     def numel(self) -> int:
@@ -76,8 +108,18 @@ class MatrixSpec:
 
     @property
     def cost(self) -> float:
-        stack = self.numel // max(1, self.shape[-2] * self.shape[-1]) if self.numel else 0
-        return stack * whiten_flops((self.shape[-2], self.shape[-1]), self.cfg)
+        return swan_cost(self)
+
+
+def swan_compute(stack: Tensor, cfg: WhitenConfig) -> Tensor:
+    """The default per-matrix computation: SWAN's update of a stack of same-shape gradients."""
+    return swan_update(stack, cfg)[0]
+
+
+def swan_cost(spec: MatrixSpec) -> float:
+    """The default cost model (FLOPs of SWAN's whitening), for balancing owners."""
+    stack = spec.numel // max(1, spec.shape[-2] * spec.shape[-1]) if spec.numel else 0
+    return stack * whiten_flops((spec.shape[-2], spec.shape[-1]), spec.cfg)
 
 
 @dataclass
@@ -92,6 +134,7 @@ class Plan:
     ranges: list[list[Range]]  # ranges[rank][matrix]
     buckets: list[Bucket]
     mode: str
+    costs: list[float]  # per matrix, the cost model's estimate
 
     @property
     def world(self) -> int:
@@ -112,7 +155,7 @@ class Plan:
             load = [0.0] * self.world
             for m in b.matrices:
                 for c in self.computers(m, b):
-                    load[c] += self.specs[m].cost
+                    load[c] += self.costs[m]
             out.append(load)
         return out
 
@@ -189,6 +232,7 @@ def build_plan(
     ranges: Sequence[Sequence[Range]],
     mode: str = "owner",
     bucket_bytes: int = 256 << 20,
+    cost: Callable[[MatrixSpec], float] = swan_cost,
 ) -> Plan:
     """Deterministic plan from the matrices and every rank's ranges (same input → same plan)."""
     if mode not in ("owner", "replicated"):
@@ -215,6 +259,7 @@ def build_plan(
         size += 4 * spec.numel
     if current:
         buckets.append(Bucket(current, {}))
+    costs = [float(cost(s)) for s in specs]
     total = [0.0] * world
     for b in buckets:
         if mode == "replicated":
@@ -224,32 +269,34 @@ def build_plan(
         # (then least loaded overall, then holding most of the matrix already, then lowest rank).
         load = [0.0] * world
         held_bytes = [0] * world
-        for m in sorted(b.matrices, key=lambda m: (-specs[m].cost, m)):
+        for m in sorted(b.matrices, key=lambda m: (-costs[m], m)):
             nbytes = 4 * specs[m].numel
             fits = [r for r in range(world) if held_bytes[r] + nbytes <= bucket_bytes] or list(range(world))
             r = min(fits, key=lambda r: (load[r], total[r], -(ranges[r][m][1] - ranges[r][m][0]), r))
             b.owners[m] = r
-            load[r] += specs[m].cost
-            total[r] += specs[m].cost
+            load[r] += costs[m]
+            total[r] += costs[m]
             held_bytes[r] += nbytes
     for m, spec in enumerate(specs):
         cover([rg[m] for rg in ranges], 0, spec)  # every matrix must be fully held by someone
-    return Plan(list(specs), [list(rg) for rg in ranges], buckets, mode)
+    return Plan(list(specs), [list(rg) for rg in ranges], buckets, mode, costs)
 
 
 class Exchange:
-    """Runs a :class:`Plan` on this rank: gradients to owners, SWAN math, updates back.
+    """Runs a :class:`Plan` on this rank: gradients to owners, the per-matrix computation, updates back.
 
-    ``grads[m]`` is this rank's flat gradient piece of matrix m (``hi - lo`` elements; ``None`` counts
-    as zeros), ``skip`` the matrices nobody computes this step (decided identically on every rank).
-    ``on_update(m, piece)`` receives this rank's flat piece of each computed update. Every rank
-    issues the same collectives in the same order whatever its data.
+    ``grads[m]`` is this rank's flat gradient piece of matrix m (``hi - lo`` elements in the matrix's
+    canonical order, on any device; ``None`` counts as zeros), ``skip`` the matrices nobody computes
+    this step (decided identically on every rank). ``compute(stack, cfg)`` maps a stack of same-shape
+    full gradients to their updates (SWAN's by default). ``on_update(m, piece)`` receives this rank's
+    flat piece of each computed update, on ``device`` (the communication device). Every rank issues
+    the same collectives in the same order whatever its data.
     """
 
     def __init__(self, plan: Plan, rank: int, group: dist.ProcessGroup | None, device: torch.device,
-                 dtypes: Sequence[torch.dtype]) -> None:
+                 dtypes: Sequence[torch.dtype], compute: Callable[[Tensor, Hashable], Tensor] = swan_compute) -> None:
         self.plan, self.rank, self.group, self.device = plan, rank, group, device
-        self.dtypes = list(dtypes)
+        self.dtypes, self.compute = list(dtypes), compute
         self.bytes_sent = 0  # by this rank, both directions, since construction
         w = plan.world
         self._fwd = [([plan.forward_segments(b, rank, d) for d in range(w)],
@@ -267,7 +314,7 @@ class Exchange:
     def _start(self, send: list[list[Segment]], recv: list[list[Segment]], fetch: Callable[[int, int, int], Tensor],
                dtype: torch.dtype):
         """Pack ``send`` segments (``fetch(m, lo, hi)``) by destination and start the all_to_all."""
-        pieces = [fetch(m, lo, hi).to(dtype) for segs in send for m, lo, hi in segs]
+        pieces = [fetch(m, lo, hi).to(self.device, dtype) for segs in send for m, lo, hi in segs]
         inp = torch.cat(pieces) if pieces else torch.empty(0, dtype=dtype, device=self.device)
         in_splits = [sum(hi - lo for _, lo, hi in segs) for segs in send]
         out_splits = [sum(hi - lo for _, lo, hi in segs) for segs in recv]
@@ -331,7 +378,7 @@ class Exchange:
         return full
 
     def _compute(self, full: dict[int, Tensor], skip: set[int]) -> dict[int, Tensor]:
-        """SWAN directions for the assembled matrices, batched over same (shape, config)."""
+        """Updates of the assembled matrices (canonical order, flat), batched over same (shape, config)."""
         groups: dict[tuple, list[int]] = {}
         for m in full:
             if m not in skip:
@@ -339,9 +386,10 @@ class Exchange:
                 groups.setdefault((spec.shape, spec.cfg), []).append(m)
         out: dict[int, Tensor] = {}
         for (shape, cfg), ms in groups.items():
-            upd, _ = swan_update(torch.stack([full[m].view(shape) for m in ms]), cfg)
-            for m, u in zip(ms, upd):
-                out[m] = u.reshape(-1)
+            specs = [self.plan.specs[m] for m in ms]
+            upd = self.compute(torch.stack([s.layout.to_full(full[m], shape) for s, m in zip(specs, ms)]), cfg)
+            for s, m, u in zip(specs, ms, upd):
+                out[m] = s.layout.from_full(u)
         return out
 
     def _finish_backward(self, work, recv: Tensor, recv_segs: list[list[Segment]], skip: set[int],
@@ -355,22 +403,84 @@ class Exchange:
                 offset += hi - lo
 
 
-def agree_on_step(
-    codes: Sequence[int], config_hash: int, layout_hash: int, group: dist.ProcessGroup | None, device: torch.device
-) -> tuple[bool, list[int], list[int] | None]:
-    """The per-step agreement every rank reaches from the same data, so that all take the same path.
+class StepAgreement:
+    """What every rank must agree on before a step, reached from the same data so that all take the
+    same path: its configuration (a hash of every parameter's name, shape, dtype, rule and options,
+    identical on every rank), and per parameter the max over ranks of a code (0 no gradient,
+    1 finite, 2 non-finite).
 
-    One ``all_gather`` of ``[config_hash, layout_hash, len(codes)]``, then (if every rank has the same
-    configuration) one ``all_reduce(MAX)`` of the per-parameter codes (0 no gradient, 1 finite,
-    2 non-finite). Returns ``(configs_agree, layout hash per rank, max code per parameter or None)``.
+    The configuration and every rank's layout (a hash of its ranges) are gathered when some rank's
+    changed (the first step, re-sharding, ZeRO-3's alternating sub-groups); every other step costs
+    one ``all_reduce(MAX)`` of ``[changed, codes...]`` and one host sync.
     """
-    head = torch.tensor([config_hash, layout_hash, len(codes)], dtype=torch.int64, device=device)
-    heads = [torch.empty_like(head) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(heads, head, group=group)
-    table = torch.stack(heads).cpu()
-    layouts = table[:, 1].tolist()
-    if (table[:, 0] != table[0, 0]).any() or (table[:, 2] != table[0, 2]).any():
-        return False, layouts, None
-    flags = torch.tensor(list(codes), dtype=torch.int32, device=device)
-    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
-    return True, layouts, flags.cpu().tolist()
+
+    def __init__(self) -> None:
+        self.agreed: tuple[int, int, int] | None = None  # this rank's (config, layout, count) last agreed
+        self.layouts: tuple[int, ...] = ()  # every rank's layout hash, as last agreed
+
+    def __call__(self, codes: Tensor, config_hash: int, layout_hash: int, group: dist.ProcessGroup | None
+                 ) -> tuple[bool, list[int] | None]:
+        """``codes``: int32, one per parameter, on the communication device. Returns
+        ``(configs_agree, max code per parameter or None)``."""
+        mine = (config_hash, layout_hash, codes.numel())
+        if self.agreed is not None:
+            n = self.agreed[2]
+            body = codes[:n] if codes.numel() >= n else torch.cat([codes, codes.new_zeros(n - codes.numel())])
+            flags = torch.cat([codes.new_tensor([int(mine != self.agreed)]), body])
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+            out = flags.tolist()
+            if out[0] == 0:
+                return True, out[1:]
+        head = torch.tensor([config_hash, layout_hash, codes.numel()], dtype=torch.int64, device=codes.device)
+        heads = [torch.empty_like(head) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(heads, head, group=group)
+        table = torch.stack(heads).cpu()
+        if (table[:, 0] != table[0, 0]).any() or (table[:, 2] != table[0, 2]).any():
+            self.agreed = None
+            return False, None
+        self.agreed, self.layouts = mine, tuple(table[:, 1].tolist())
+        flags = codes.clone()
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+        return True, flags.tolist()
+
+
+# Device types each backend runs all_to_all / all_gather on. gloo's all_to_all is CPU-only, so a
+# gloo group moves CUDA pieces to the CPU; "undefined" is ``init_process_group()`` without a backend,
+# whose per-device backends torch creates lazily from its default map (cpu: gloo, cuda: nccl, ...).
+_BACKEND_DEVICES = {"gloo": ("cpu",), "nccl": ("cuda",), "mpi": ("cpu",), "ucc": ("cpu", "cuda"),
+                    "xccl": ("xpu",), "hccl": ("npu",)}
+
+
+def served_devices(backend: str) -> tuple[str, ...]:
+    """The device types a process group's backend string serves, in preference order: ``"nccl"``,
+    ``"gloo"``, combined ``"cuda:nccl,cpu:gloo"``, or ``"undefined"``."""
+    backend = str(backend).lower()
+    if backend == "undefined":
+        return tuple(dict.fromkeys(dist.Backend.default_device_backend_map))
+    out: list[str] = []
+    for part in backend.split(","):
+        dev, _, name = part.strip().rpartition(":")
+        out += [dev] if dev else list(_BACKEND_DEVICES.get(name, ()))
+    if not out:
+        raise ValueError(f"swan_dist: process-group backend {backend!r} is unknown; pass SWAN(process_group=...) with a "
+                         f"group of a known backend ({', '.join(_BACKEND_DEVICES)})")
+    return tuple(dict.fromkeys(out))
+
+
+def comm_device(backend: str, tensor_devices: Sequence[torch.device], current: dict[str, int] | None = None) -> torch.device:
+    """Where the exchange's buffers (and so the owners' math) live, from the group's real backend and
+    the devices the pieces are on: an accelerator the pieces use and the group serves first, then the
+    pieces' CPU if served, then the first accelerator the group serves (CPU-offloaded pieces under
+    NCCL move there and back). ``current``: the current index per accelerator type."""
+    served = served_devices(backend)
+    current = current or {}
+    types = [d.type for d in tensor_devices]
+    for d in tensor_devices:
+        if d.type != "cpu" and d.type in served:
+            return torch.device(d.type, d.index if d.index is not None else current.get(d.type, 0))
+    if "cpu" in served and (not types or "cpu" in types):
+        return torch.device("cpu")
+    for t in served:
+        if t != "cpu":
+            return torch.device(t, current.get(t, 0))
+    return torch.device("cpu")

@@ -21,7 +21,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from .routing import full_shape
+from .adapter import Member, members_of, prepare_model
 
 __all__ = ["Rule", "DEFAULT_EXCLUDE", "classify", "tag_model", "param_groups", "collapse_name", "tagged_name"]
 
@@ -52,14 +52,16 @@ def _search(patterns: Sequence[str] | None, name: str | None) -> str | None:
 
 def classify(
     name: str | None,
-    param: torch.Tensor,
+    param: torch.Tensor | Member,
     include: Sequence[str] | None = None,
     exclude: Sequence[str] | None = None,
 ) -> Rule:
     """Rule for one parameter from its name and tensor (steps 2-4 of the precedence above). ``param``
-    may also be an FSDP1 FlatParameter's original (``integrations.fsdp1.Original``: only its shape and
-    tag are read)."""
-    ndim = len(full_shape(param))
+    may also be a :class:`~swan_dist.adapter.Member` (a logical parameter an adapter reports, e.g. one
+    original of an FSDP1 FlatParameter): its full shape and its holder's tag are read."""
+    member = param if isinstance(param, Member) else members_of(param, name)[0]
+    ndim = len(member.shape)
+    param = member.holder
     if (p := _search(exclude, name)) is not None:
         return Rule(False, f"matches exclude pattern {p!r}")
     if (p := _search(include, name)) is not None:
@@ -100,10 +102,7 @@ def tag_model(
     ``nn.Linear`` weights get SWAN unless named like an output head or shared with an embedding;
     ``nn.Embedding`` weights, norms and biases take the fallback rule. Returns ``{name: Rule}``.
     """
-    from swan_dist.integrations import prepare
-    from swan_dist.integrations.fsdp1 import originals
-
-    prepare(model)  # adapters record full shapes of flat views, FlatParameters' originals (FSDP1)
+    prepare_model(model)  # adapters record what they need on a wrapped model (FSDP1's flat views)
     embed_ids = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     by_id: dict[int, tuple[nn.Module, str]] = {}
     for mod_name, mod in model.named_modules():
@@ -111,22 +110,24 @@ def tag_model(
             by_id.setdefault(id(p), (mod, pname))
     rules: dict[str, Rule] = {}
     for name, p in model.named_parameters():
-        origs = originals(p)  # an FSDP1 FlatParameter stands for its originals: tag those
-        targets = ([(o.name, o, o.module, o.param_name, o.embedding) for o in origs] if origs is not None
-                   else [(clean_name(name), p, *by_id[id(p)], id(p) in embed_ids)])
-        for name, t, mod, pname, embedding in targets:
+        members = members_of(p, clean_name(name))
+        if len(members) == 1 and members[0].holder is p:  # the tensor is the parameter: its module is known
+            mod, pname = by_id[id(p)]
+            members = [Member(clean_name(name), members[0].shape, p, mod, pname, id(p) in embed_ids)]
+        for t in members:
+            name, mod, pname = t.name, t.module, t.param_name
             rule = classify(name, t, include, exclude)
             user_matched = _search(exclude, name) or _search(include, name)
             if not user_matched:
-                if embedding:
+                if t.embedding:
                     rule = Rule(False, "nn.Embedding weight" + (" (tied with the output head)"
                                                                  if not isinstance(mod, nn.Embedding) else ""))
                 elif isinstance(mod, nn.Linear) and pname == "weight" and rule.use_swan:
                     rule = Rule(True, "nn.Linear weight")
-                elif len(full_shape(t)) == 2 and rule.use_swan:
+                elif len(t.shape) == 2 and rule.use_swan:
                     rule = Rule(True, f"2-D weight of {type(mod).__name__}")
-            setattr(t, _TAG, rule)
-            setattr(t, _NAME_TAG, name)
+            setattr(t.holder, _TAG, rule)
+            setattr(t.holder, _NAME_TAG, name)
             rules[name] = rule
     return rules
 

@@ -98,14 +98,14 @@ class Attention(nn.Module):
         self.wo = nn.Linear(cfg.dim, cfg.dim, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
+        b, t, _ = x.shape
 
         def heads(proj: nn.Linear) -> torch.Tensor:
             return proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
 
         q, k, v = apply_rope(heads(self.wq), cos, sin), apply_rope(heads(self.wk), cos, sin), heads(self.wv)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.wo(y.transpose(1, 2).reshape(b, t, d))
+        return self.wo(y.transpose(1, 2).reshape(b, t, -1))  # -1: the local heads under tensor parallelism
 
 
 class FeedForward(nn.Module):

@@ -1,0 +1,103 @@
+"""DTensor parameters: FSDP2 (``fully_shard``), tensor parallelism (``parallelize_module`` with
+``ColwiseParallel`` / ``RowwiseParallel``) and both on a 2-D mesh (torchtitan's FSDP + TP), HSDP.
+
+A rank's local tensor is a *box* of the global tensor: an index range per dim. The placements on the
+mesh decide the boxes of every mesh coordinate alike on every rank, so each rank computes all of them
+(torch's own offset computation, per coordinate) and checks that they tile the tensor as a grid:
+
+- ``Shard(0)`` (FSDP2, column-parallel TP, both): row ranges: plain row-major order, each box one range;
+- ``Shard(1)`` (row-parallel TP) with or without ``Shard(0)`` on the data-parallel dim: column blocks,
+  numbered block after block (``Layout.col_splits``), each box one range of that order;
+- ``_StridedShard(0)`` on the data-parallel dim over ``Shard(0)`` TP (``fully_shard`` after
+  ``ColwiseParallel``): row ranges again, at the offsets torch computes;
+- ``Replicate`` anywhere: replicas hold the same range.
+
+Anything else (``Partial``, a strided layout whose shards are not index ranges, boxes that do not
+tile) is refused when SWAN is built, with the parameter's name and placements, on every rank.
+Gradients must carry the parameter's placements.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from functools import lru_cache
+
+from torch import Tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from swan_dist.adapter import Adapter, Piece, tensor_piece
+from swan_dist.routing import Layout
+
+Box = tuple[tuple[int, int], ...]  # (start, stop) per dim
+
+
+@lru_cache(maxsize=4096)
+def _grid(shape: tuple[int, ...], mesh_shape: tuple[int, ...], placements: tuple) -> tuple[Layout, dict] | str:
+    """(layout, {mesh coordinate: canonical range}) of a DTensor layout, or why it is refused."""
+    for pl in placements:
+        if not isinstance(pl, (Shard, _StridedShard, Replicate)):
+            return f"placement {pl} is not supported (only Shard, _StridedShard and Replicate)"
+    boxes: dict[tuple[int, ...], Box] = {}
+    for coord in itertools.product(*(range(n) for n in mesh_shape)):
+        size, start = _compute_local_shape_and_global_offset(shape, mesh_shape, list(coord), placements)
+        boxes[coord] = tuple((int(a), int(a) + int(s)) for a, s in zip(start, size))
+    full = [b for b in boxes.values() if all(hi > lo for lo, hi in b)]
+    # a grid: per dim the distinct index ranges partition [0, n), and every combination is some box
+    cuts = []
+    for d, n in enumerate(shape):
+        spans = sorted({b[d] for b in full})
+        if not spans or spans[0][0] != 0 or spans[-1][1] != n or any(a[1] != b[0] for a, b in zip(spans, spans[1:])):
+            return "its shards do not tile the tensor as index ranges (uneven or strided layout)"
+        cuts.append(spans)
+    if len(set(full)) != math.prod(len(c) for c in cuts):
+        return "its shards do not tile the tensor as a grid"
+    layout = Layout(tuple(lo for lo, _ in cuts[-1][1:])) if len(shape) >= 2 else Layout()
+    ranges = {}
+    for coord, box in boxes.items():
+        if not all(hi > lo for lo, hi in box):
+            ranges[coord] = (0, 0)
+            continue
+        rng = box[0] if len(shape) < 2 else layout.box_range(shape, [lo for lo, _ in box], [hi - lo for lo, hi in box])
+        if rng is None:
+            return f"the shard {box} is not one contiguous range of the matrix's canonical order"
+        ranges[coord] = rng
+    return layout, ranges
+
+
+class DTensorAdapter(Adapter):
+    name = "dtensor"
+
+    def claims(self, tensor: Tensor) -> bool:
+        return isinstance(tensor, DTensor)
+
+    def _grid(self, p: DTensor, name: str) -> tuple[Layout, dict]:
+        found = _grid(tuple(p.shape), tuple(p.device_mesh.shape), tuple(p.placements))
+        if isinstance(found, str):
+            raise ValueError(
+                f"swan_dist: parameter {name!r} (shape {list(p.shape)}) has placements {tuple(p.placements)} on a "
+                f"{tuple(p.device_mesh.shape)} mesh: {found}. SWAN supports Shard(0), Shard(1), _StridedShard(0) over "
+                "Shard(0) and Replicate (FSDP2, Colwise/RowwiseParallel, FSDP2 + TP)"
+            )
+        return found
+
+    def check(self, tensor: Tensor, name: str) -> None:
+        self._grid(tensor, name)
+
+    def pieces(self, tensor: Tensor, name: str, rules: tuple[bool, ...]) -> list[Piece]:
+        layout, ranges = self._grid(tensor, name)
+        coord = tensor.device_mesh.get_coordinate()
+        lo, hi = (0, 0) if coord is None else ranges[tuple(coord)]
+        local = tensor.to_local()
+        if local.numel() != hi - lo:
+            raise ValueError(f"swan_dist: parameter {name!r} holds {local.numel()} local elements, its placements say "
+                             f"{hi - lo}")
+        grad = tensor.grad
+        if isinstance(grad, DTensor):
+            if grad.placements != tensor.placements:
+                raise ValueError(f"swan_dist: the gradient of {name!r} has placements {grad.placements}, the parameter "
+                                 f"{tensor.placements}; reduce it to the parameter's placements before step()")
+            grad = grad.to_local()
+        return [tensor_piece(name, tensor, lo=lo, local=local, grad=grad, layout=layout)]

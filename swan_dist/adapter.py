@@ -1,0 +1,213 @@
+"""The engine's boundary: how a framework tells the optimizer where each rank's piece of each matrix lives.
+
+A framework is one :class:`Adapter` subclass in one file of ``integrations/`` plus one line in
+``integrations/__init__.py``'s ``ADAPTERS``. The optimizer and the routing never import a framework:
+they ask the registry (:func:`adapter_for`, :func:`adopt`, :func:`prepare_model`, ...) and work on
+:class:`Piece` records. docs/engine.md walks through adding an adapter.
+
+An adapter answers, for the tensors it claims:
+
+- ``members``: the logical parameters a tensor stands for, for classification (name, full shape,
+  module); one per tensor, except a tensor that packs several (an FSDP1 ``FlatParameter``);
+- ``pieces``: this rank's :class:`Piece` of each member (at every step);
+- ``adopt``: pieces for a param group whose tensors the framework replaced after the optimizer was
+  built (DeepSpeed's flat fp32 partitions);
+- ``export_state`` / ``import_state``: the fallback state in its framework's checkpoint layout.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from .routing import ROW_MAJOR, Layout
+
+__all__ = ["Adapter", "Member", "Piece", "StateSlot", "adapter_for", "members_of", "adopt", "prepare_model",
+           "name_bare_params", "optimizer_built"]
+
+
+@dataclass(frozen=True)
+class StateSlot:
+    """Where a fallback piece keeps its state: ``optimizer.state[key]``.
+
+    ``index=None``: whole state tensors shaped like the piece's ``target`` and one ``step``. Otherwise
+    the piece shares ``key``'s state with others: elements ``[a, b)`` of flat state tensors of ``size``
+    elements, and step counter ``index`` of ``counts`` (each piece skipped or stepped alone).
+    """
+
+    key: Tensor
+    index: int | None = None
+    a: int = 0
+    b: int = 0
+    size: int = 0
+    counts: int = 0
+
+
+@dataclass
+class Piece:
+    """This rank's piece of one logical parameter.
+
+    Engine side: elements ``[lo, hi)`` of the parameter of full ``shape`` numbered in ``layout``'s
+    canonical order (plain row-major unless a tensor-parallel split says otherwise), with flat views
+    ``param`` and ``grad`` (``None``: no gradient on this rank) of those elements.
+    Fallback side: the rule updates ``target`` from ``target_grad`` with its state at ``slot``
+    (the framework's own tensor, e.g. a DTensor, so that its state has the framework's type).
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    lo: int
+    hi: int
+    param: Tensor
+    grad: Tensor | None
+    target: Tensor
+    target_grad: Tensor | None
+    slot: StateSlot
+    layout: Layout = ROW_MAJOR
+
+    @property
+    def whole(self) -> bool:
+        return self.lo == 0 and self.hi == math.prod(self.shape)
+
+
+def tensor_piece(name: str, p: Tensor, shape: tuple[int, ...] | None = None, lo: int = 0,
+                 local: Tensor | None = None, grad: Tensor | None = None, layout: Layout = ROW_MAJOR) -> Piece:
+    """A piece whose fallback target is the tensor ``p`` itself (state in ``optimizer.state[p]``); the
+    engine sees ``local`` (default ``p``) flattened as elements ``[lo, lo + numel)`` of ``shape``."""
+    local = p if local is None else local
+    flat = local.detach().reshape(-1)
+    if flat.numel() and flat.data_ptr() != local.detach().data_ptr():
+        raise ValueError(f"swan_dist: the local tensor of {name!r} is not contiguous; SWAN updates it in place")
+    g = None if grad is None else grad.reshape(-1)
+    return Piece(name, tuple(p.shape) if shape is None else tuple(shape), lo, lo + flat.numel(), flat, g,
+                 p, p.grad, StateSlot(p), layout)
+
+
+@dataclass
+class Member:
+    """A logical parameter as the classifier sees it. ``holder`` carries the rule tag
+    (:func:`swan_dist.tag_model`): the tensor itself, or a record standing for a packed original."""
+
+    name: str | None
+    shape: tuple[int, ...]
+    holder: Any
+    module: nn.Module | None = None
+    param_name: str | None = None
+    embedding: bool = False
+
+
+class Adapter:
+    """One framework's answers. Override :meth:`claims` and :meth:`pieces`; the rest have defaults that
+    suit a framework whose tensors are the parameters themselves."""
+
+    name = "adapter"
+
+    def prepare(self, model: nn.Module) -> None:
+        """Record on a wrapped model's parameters what :meth:`pieces` needs (called by ``tag_model``)."""
+
+    def name_bare(self, params: Sequence[Tensor]) -> nn.Module | None:
+        """For bare, untagged tensors given to the optimizer: the module that owns them, if this
+        framework knows it (DeepSpeed's engine building the optimizer from its JSON)."""
+        return None
+
+    def optimizer_built(self, optimizer: torch.optim.Optimizer) -> None:
+        """Called once per optimizer after construction (register the class with the framework)."""
+
+    def claims(self, tensor: Tensor) -> bool:
+        raise NotImplementedError
+
+    def members(self, tensor: Tensor, name: str | None) -> list[Member]:
+        return [Member(name, self.shape(tensor), tensor)]
+
+    def shape(self, tensor: Tensor) -> tuple[int, ...]:
+        """The full logical shape of ``tensor``, whatever piece of it this rank holds."""
+        return tuple(tensor.shape)
+
+    def check(self, tensor: Tensor, name: str) -> None:
+        """Raise ``ValueError`` naming ``name`` if this tensor's layout is not supported (at construction,
+        decided from what every rank sees alike)."""
+
+    def pieces(self, tensor: Tensor, name: str, rules: tuple[bool, ...]) -> list[Piece]:
+        """This rank's piece of each member of ``tensor`` (``rules``: SWAN or not, per member)."""
+        raise NotImplementedError
+
+    def adopt(self, originals: list[tuple[str, Tensor]], params: list[Tensor], use_swan: bool, index: int,
+              group: Any) -> list[Piece] | None:
+        """Pieces for param group ``index`` whose tensors ``originals`` the framework replaced by
+        ``params``; ``None`` if this framework did not do it."""
+        return None
+
+    def export_state(self, tensor: Tensor, state: dict, rules: tuple[bool, ...], stateful: set[int]) -> dict:
+        """``tensor``'s optimizer state as its framework's checkpoint code expects it. ``stateful``: ids
+        of the tensors whose rule keeps state (AdamW fallback)."""
+        return state
+
+    def import_state(self, tensor: Tensor, state: dict, rules: tuple[bool, ...]) -> dict:
+        """Inverse of :meth:`export_state` for a loaded state."""
+        return state
+
+
+def _registry() -> Sequence[Adapter]:
+    from swan_dist.integrations import ADAPTERS  # the one place adapters are registered
+
+    return ADAPTERS
+
+
+def adapter_for(tensor: Tensor) -> Adapter:
+    for adapter in _registry():
+        if adapter.claims(tensor):
+            return adapter
+    raise TypeError(f"swan_dist: no adapter claims a tensor of type {type(tensor).__name__}")
+
+
+def members_of(tensor: Tensor, name: str | None) -> list[Member]:
+    return adapter_for(tensor).members(tensor, name)
+
+
+def prepare_model(model: nn.Module) -> None:
+    for adapter in _registry():
+        adapter.prepare(model)
+
+
+def name_bare_params(params: Sequence[Tensor]) -> nn.Module | None:
+    for adapter in _registry():
+        if (model := adapter.name_bare(params)) is not None:
+            return model
+    return None
+
+
+def optimizer_built(optimizer: torch.optim.Optimizer) -> None:
+    for adapter in _registry():
+        adapter.optimizer_built(optimizer)
+
+
+def adopt(originals: list[tuple[str, Tensor]], params: list[Tensor], use_swan: bool, index: int,
+          group: Any) -> tuple[list[Piece], bool]:
+    """Pieces for a param group whose tensors a framework replaced, and whether the replacement is
+    one-to-one (then the optimizer adopts the new tensors for good, keeping names and rules).
+
+    Adapters first (flat partitions and the like); otherwise each new tensor of the same logical shape
+    as its original stands for it (DeepSpeed's fp32 copies, Accelerate's sharded DTensors)."""
+    for adapter in _registry():
+        found = adapter.adopt(originals, params, use_swan, index, group)
+        if found is not None:
+            return found, False
+    if len(params) == len(originals):
+        out = []
+        for (name, old), new in zip(originals, params):
+            ad = adapter_for(new)
+            if ad.shape(new) != adapter_for(old).shape(old) or len(ad.members(new, name)) != 1:
+                break
+            ad.check(new, name)
+            out += ad.pieces(new, name, (use_swan,))
+        else:
+            return out, True
+    raise ValueError(
+        f"swan_dist: param group {index}'s {len(originals)} tensors were replaced by {len(params)} tensors that are "
+        "neither tensors of the same shapes nor a layout an adapter knows; build the optimizer after the framework "
+        "wraps the model, or pass the wrapped model's parameters"
+    )
