@@ -172,7 +172,8 @@ class SWAN(torch.optim.Optimizer):
         """No silent whitening of what SWAN cannot name, nor a model with nothing whitened: decided from
         shapes and names every rank sees alike, before any collective."""
         unnamed = [label for label, shape, _, rule in self._rows if rule.use_swan and rule.reason.startswith("2-D tensor, name unknown")]
-        matrices = [row for row in self._rows if len(row[1]) == 2 and not row[3].reason.startswith("param group")]
+        chosen = ("param group", "matches exclude", "matches include")  # the user's own choice: no warning
+        matrices = [row for row in self._rows if len(row[1]) == 2 and not row[3].reason.startswith(chosen)]
         msg = None
         if unnamed:
             msg = (f"swan_dist.SWAN was given {len(unnamed)} 2-D tensors without names (e.g. {unnamed[:3]}) and whitens "

@@ -1,0 +1,133 @@
+"""The engine's boundary: the communication device from the group's real backend, the per-step
+agreement's cost, and torch idioms SWAN cannot serve refused at once, on every rank, with the fix."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from dist_utils import run_distributed
+from swan_dist import SWAN
+from swan_dist.routing import comm_device, served_devices
+from test_distributed_optimizer import Net, _global_grads
+
+pytestmark = pytest.mark.timeout(300)
+
+CPU, CUDA0, CUDA1 = torch.device("cpu"), torch.device("cuda", 0), torch.device("cuda", 1)
+
+
+@pytest.mark.parametrize("backend, pieces, want", [
+    ("gloo", [CPU], CPU),
+    ("gloo", [CUDA1], CPU),  # gloo's all_to_all is CPU-only: CUDA pieces go through the CPU
+    ("nccl", [CUDA1], CUDA1),
+    ("nccl", [CPU], torch.device("cuda", 3)),  # CPU-offloaded pieces under NCCL move to the current GPU
+    ("nccl", [CPU, CUDA0], CUDA0),
+    ("cuda:nccl,cpu:gloo", [CPU], CPU),  # init_process_group() with CUDA available
+    ("cpu:gloo,cuda:nccl", [CUDA1], CUDA1),
+    ("cuda:nccl,cpu:gloo", [], CPU),
+    ("undefined", [CPU], CPU),  # lazy init: torch's default backend per device
+    ("undefined", [CUDA0], CUDA0),
+    ("ucc", [CUDA1], CUDA1),
+    ("mpi", [CUDA1], CPU),
+])
+def test_comm_device_follows_the_backend_for_the_pieces_devices(backend, pieces, want):
+    assert comm_device(backend, pieces, {"cuda": 3}) == want
+
+
+def test_backend_strings():
+    assert served_devices("cuda:nccl,cpu:gloo") == ("cuda", "cpu")
+    assert served_devices("NCCL") == ("cuda",)
+    assert "cpu" in served_devices("undefined") and "cuda" in served_devices("undefined")
+    with pytest.raises(ValueError, match="'fancy'"):
+        served_devices("fancy")
+
+
+def test_unnamed_matrices_warn_and_strict_raises():
+    model = Net()
+    with pytest.warns(UserWarning, match=r"without names.*SWAN\(model\)"):
+        SWAN(model.parameters(), verbose=False)
+    with pytest.raises(ValueError, match=r"without names.*strict=True"):
+        SWAN(model.parameters(), verbose=False, strict=True)
+    heads = [("output.weight", torch.zeros(3, 4)), ("lm_head.weight", torch.zeros(5, 4))]
+    with pytest.raises(ValueError, match=r"whitens none of the 2 2-D tensors"):  # every matrix named like a head
+        SWAN(heads, verbose=False, strict=True)
+    with pytest.warns(UserWarning, match=r"whitens none"):
+        SWAN(heads, verbose=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # named: no warning
+        SWAN(model, verbose=False, strict=True)
+        SWAN(model.named_parameters(), verbose=False, strict=True)
+        SWAN(model, verbose=False, strict=True, exclude=[r"\.weight$"])  # the user's choice
+        SWAN([{"params": list(model.parameters()), "use_swan": False}], lr=0.1, verbose=False, strict=True)
+
+
+def _fsdp1_bare_worker(rank, world, orig):
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    torch.manual_seed(0)
+    model = FSDP(Net(), auto_wrap_policy=ModuleWrapPolicy({nn.Linear}), use_orig_params=orig,
+                 device_id=torch.device("cpu"))
+    errors = []
+    for params in (model.parameters(), model.named_parameters()):
+        try:
+            SWAN(params, verbose=False)
+            errors.append(None)
+        except ValueError as e:
+            errors.append(str(e))
+    return errors
+
+
+@pytest.mark.parametrize("orig", [True, False])
+def test_fsdp1_bare_parameters_refused_at_construction_on_every_rank(orig):
+    """Flattened FSDP1 shards carry no shape or name SWAN could use: refused before any collective
+    (the workers never reach step()), each error saying what to pass instead."""
+    res = run_distributed(_fsdp1_bare_worker, 2, orig)
+    for errors in res:
+        for e in errors:
+            assert e is not None and "FSDP" in e and "SWAN(" in e and "tag_model" in e, e
+
+
+def _agreement_worker(rank, world):
+    import torch.distributed as dist
+
+    calls = {"all_reduce": 0, "all_gather": 0, "all_gather_object": 0}
+    for fn in calls:
+        orig = getattr(dist, fn)
+
+        def counted(*a, _fn=fn, _orig=orig, **k):
+            calls[_fn] += 1
+            return _orig(*a, **k)
+
+        setattr(dist, fn, counted)
+    torch.manual_seed(0)
+    model = nn.parallel.DistributedDataParallel(Net())
+    opt = SWAN(model.module, verbose=False, preset="swan_ddagger", lr=0.05)
+    per_step = []
+    for t in range(4):
+        for n, p in model.module.named_parameters():
+            p.grad = _global_grads(model.module, t)[n]
+        before = dict(calls)
+        opt.step()
+        per_step.append({k: calls[k] - before[k] for k in calls})
+    if rank == 1:  # a rank's configuration changes after the agreement: caught on every rank
+        for g in opt.param_groups:
+            g["beta"] = 0.5
+    try:
+        opt.step()
+        late = None
+    except ValueError as e:
+        late = str(e)
+    return per_step, late
+
+
+def test_agreement_costs_one_all_reduce_per_step_and_still_catches_a_late_change():
+    res = run_distributed(_agreement_worker, 2)
+    for per_step, late in res:
+        assert per_step[0]["all_gather"] == 1 and per_step[0]["all_gather_object"] == 1  # agreement, then the plan
+        for s in per_step[1:]:
+            assert s == {"all_reduce": 1, "all_gather": 0, "all_gather_object": 0}, per_step
+        assert late is not None and "'beta'" in late and "rank 1" in late, late
