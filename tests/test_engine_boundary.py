@@ -3,6 +3,7 @@ agreement's cost, and torch idioms SWAN cannot serve refused at once, on every r
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import pytest
@@ -11,6 +12,7 @@ from torch import nn
 
 from dist_utils import run_distributed
 from swan_dist import SWAN
+from swan_dist.adapter import Adapter, tensor_piece
 from swan_dist.routing import comm_device, served_devices
 from test_distributed_optimizer import Net, _global_grads
 
@@ -131,3 +133,52 @@ def test_agreement_costs_one_all_reduce_per_step_and_still_catches_a_late_change
         for s in per_step[1:]:
             assert s == {"all_reduce": 1, "all_gather": 0, "all_gather_object": 0}, per_step
         assert late is not None and "'beta'" in late and "rank 1" in late, late
+
+
+class RowShardAdapter(Adapter):
+    """docs/engine.md's worked example: a framework that keeps each parameter's local rows as a plain
+    tensor with ``full_shape`` and ``row0``."""
+
+    name = "rowshard"
+
+    def claims(self, tensor):
+        return hasattr(tensor, "full_shape")
+
+    def shape(self, tensor):
+        return tuple(tensor.full_shape)
+
+    def pieces(self, tensor, name, rules):
+        row = math.prod(tensor.full_shape[1:])
+        return [tensor_piece(name, tensor, shape=self.shape(tensor), lo=tensor.row0 * row, grad=tensor.grad)]
+
+
+def _rowshard_worker(rank, world):
+    import swan_dist.integrations as integrations
+
+    integrations.ADAPTERS = (RowShardAdapter(), *integrations.ADAPTERS)  # the one registry line
+    torch.manual_seed(0)
+    full = Net()
+    named = []
+    for n, p in full.named_parameters():
+        rows = -(-p.shape[0] // world)
+        local = nn.Parameter(p.detach()[rank * rows: (rank + 1) * rows].clone())
+        local.full_shape, local.row0 = tuple(p.shape), min(rank * rows, p.shape[0])
+        named.append((n, local))
+    opt = SWAN(named, verbose=False, preset="swan_ddagger", lr=0.05, fallback="sgd")
+    for t in range(2):
+        grads = _global_grads(full, t)
+        for n, p in named:
+            p.grad = grads[n][p.row0: p.row0 + p.shape[0]].clone()
+        opt.step()
+    return {n: p.detach() for n, p in named}, opt.summary()
+
+
+def test_a_new_framework_is_one_adapter_and_one_registry_line():
+    from test_distributed_optimizer import _reference
+
+    res = run_distributed(_rowshard_worker, 2)
+    ref = _reference(_global_grads, dict(preset="swan_ddagger", lr=0.05, fallback="sgd"), range(2))
+    for n, p in ref.named_parameters():
+        got = torch.cat([r[0][n] for r in res])
+        assert (got - p.detach()).abs().max() < 2e-5, n
+    assert "4 matrices whitened by SWAN" in res[0][1]
