@@ -325,7 +325,12 @@ class SWAN(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         world, group = self._world()
-        entries = self._entries(group)
+        try:
+            entries, failure = self._entries(group), None
+        except (ValueError, TypeError) as e:  # a layout check failed here: tell every rank, then all raise
+            if world == 1:
+                raise
+            entries, failure = [], e
         pieces = [pc for _, pc in entries]
         local = world == 1 or self._mode(world) == "local"
         device = self._comm_device(pieces) if world > 1 else None
@@ -337,8 +342,10 @@ class SWAN(torch.optim.Optimizer):
         layout_key = None
         if world > 1:
             cfg_hash = self._config_hash(entries)
-            ok, flags = self._agreement(codes, cfg_hash, self._layout_hash(pieces), group)
-            if not ok:
+            status, flags = self._agreement(codes, cfg_hash, self._layout_hash(pieces), group, failure is not None)
+            if status == "failed":
+                self._raise_rank_failure(failure, group)
+            if status == "mismatch":
                 self._raise_config_mismatch(entries, group)
             layout_key = (cfg_hash, self._agreement.layouts)
         else:
@@ -495,6 +502,16 @@ class SWAN(torch.optim.Optimizer):
     @staticmethod
     def _layout_hash(pieces: list[Piece]) -> int:
         return zlib.crc32(repr([(pc.lo, pc.hi) for pc in pieces]).encode())
+
+    @staticmethod
+    def _raise_rank_failure(failure: Exception | None, group) -> None:
+        """Every rank calls this together: the first failing rank's error, raised on all."""
+        everyone: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(everyone, None if failure is None else (type(failure).__name__, str(failure)), group=group)
+        rank, (kind, msg) = next((r, f) for r, f in enumerate(everyone) if f is not None)
+        if failure is not None and rank == dist.get_rank(group):
+            raise failure
+        raise (TypeError if kind == "TypeError" else ValueError)(f"swan_dist: on rank {rank}: {msg}")
 
     def _raise_config_mismatch(self, entries: list, group) -> None:
         """Every rank calls this together (same gathered flags) and raises the same error."""

@@ -418,30 +418,35 @@ class StepAgreement:
         self.agreed: tuple[int, int, int] | None = None  # this rank's (config, layout, count) last agreed
         self.layouts: tuple[int, ...] = ()  # every rank's layout hash, as last agreed
 
-    def __call__(self, codes: Tensor, config_hash: int, layout_hash: int, group: dist.ProcessGroup | None
-                 ) -> tuple[bool, list[int] | None]:
-        """``codes``: int32, one per parameter, on the communication device. Returns
-        ``(configs_agree, max code per parameter or None)``."""
+    def __call__(self, codes: Tensor, config_hash: int, layout_hash: int, group: dist.ProcessGroup | None,
+                 failed: bool = False) -> tuple[str, list[int] | None]:
+        """``codes``: int32, one per parameter, on the communication device; ``failed``: this rank could
+        not even list its pieces (it then still takes part, so that no peer hangs). Returns
+        ``("ok", max code per parameter)``, or ``("mismatch" | "failed", None)`` on every rank alike."""
         mine = (config_hash, layout_hash, codes.numel())
         if self.agreed is not None:
             n = self.agreed[2]
             body = codes[:n] if codes.numel() >= n else torch.cat([codes, codes.new_zeros(n - codes.numel())])
-            flags = torch.cat([codes.new_tensor([int(mine != self.agreed)]), body])
+            flags = torch.cat([codes.new_tensor([int(failed or mine != self.agreed)]), body])
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
             out = flags.tolist()
             if out[0] == 0:
-                return True, out[1:]
-        head = torch.tensor([config_hash, layout_hash, codes.numel()], dtype=torch.int64, device=codes.device)
+                return "ok", out[1:]
+        head = torch.tensor([config_hash, layout_hash, codes.numel(), int(failed)], dtype=torch.int64,
+                            device=codes.device)
         heads = [torch.empty_like(head) for _ in range(dist.get_world_size(group))]
         dist.all_gather(heads, head, group=group)
         table = torch.stack(heads).cpu()
+        if table[:, 3].any():
+            self.agreed = None
+            return "failed", None
         if (table[:, 0] != table[0, 0]).any() or (table[:, 2] != table[0, 2]).any():
             self.agreed = None
-            return False, None
+            return "mismatch", None
         self.agreed, self.layouts = mine, tuple(table[:, 1].tolist())
         flags = codes.clone()
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
-        return True, flags.tolist()
+        return "ok", flags.tolist()
 
 
 # Device types each backend runs all_to_all / all_gather on. gloo's all_to_all is CPU-only, so a

@@ -182,3 +182,29 @@ def test_a_new_framework_is_one_adapter_and_one_registry_line():
         got = torch.cat([r[0][n] for r in res])
         assert (got - p.detach()).abs().max() < 2e-5, n
     assert "4 matrices whitened by SWAN" in res[0][1]
+
+
+def _one_rank_fails_worker(rank, world):
+    import swan_dist.integrations as integrations
+
+    integrations.ADAPTERS = (RowShardAdapter(), *integrations.ADAPTERS)
+    torch.manual_seed(0)
+    w = nn.Parameter(torch.randn(3, 4))
+    w.full_shape, w.row0 = (6, 4), 3 * rank
+    opt = SWAN([("proj.weight", w)], verbose=False, preset="swan_ddagger", lr=0.05)
+    w.grad = torch.randn(3, 4)
+    opt.step()  # agreed
+    if rank == 1:  # only this rank's piece becomes invalid (not contiguous: SWAN cannot update it in place)
+        w.data = torch.randn(4, 3).t()
+    w.grad = torch.randn(3, 4)
+    try:
+        opt.step()
+    except (ValueError, TypeError) as e:
+        return str(e)
+    return None
+
+
+def test_a_check_failing_on_one_rank_raises_on_every_rank_without_a_hang():
+    res = run_distributed(_one_rank_fails_worker, 2, timeout=120)
+    assert all(r is not None and "'proj.weight'" in r and "contiguous" in r for r in res), res
+    assert "on rank 1" in res[0], res[0]
