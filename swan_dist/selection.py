@@ -108,6 +108,9 @@ def tag_model(
     for mod_name, mod in model.named_modules():
         for pname, p in mod.named_parameters(recurse=False):
             by_id.setdefault(id(p), (mod, pname))
+    aliases: dict[int, list[str]] = {}  # every name of a parameter shared between modules (tied weights)
+    for name, p in model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(p), []).append(clean_name(name))
     rules: dict[str, Rule] = {}
     for name, p in model.named_parameters():
         members = members_of(p, clean_name(name))
@@ -120,8 +123,8 @@ def tag_model(
             user_matched = _search(exclude, name) or _search(include, name)
             if not user_matched:
                 if t.embedding:
-                    rule = Rule(False, "nn.Embedding weight" + (" (tied with the output head)"
-                                                                 if not isinstance(mod, nn.Embedding) else ""))
+                    tied = [a for a in aliases.get(id(t.holder), ()) if a != name]
+                    rule = Rule(False, "nn.Embedding weight" + (f" (tied with {', '.join(tied)})" if tied else ""))
                 elif isinstance(mod, nn.Linear) and pname == "weight" and rule.use_swan:
                     rule = Rule(True, "nn.Linear weight")
                 elif len(t.shape) == 2 and rule.use_swan:

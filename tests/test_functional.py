@@ -196,3 +196,66 @@ def test_theorem_one_step_to_optimum_from_stiefel():
     W1 = W0 - lr * whiten(G, "ns", steps=60, beta=0.5)
     assert loss(W1) / loss(W0) < 1e-10
     assert loss(W0 - lr * G) / loss(W0) > 1e-2
+
+
+def _paper_swan(g_torch, steps, beta, diag):
+    """Algorithms 1 and 2 of the paper, transcribed literally in float64 and the paper's layout:
+    G = G_torchᵀ is (m, n) with rows = input dims. GradNorm (eq. 1): each row divided by its RMS over
+    the output dims (columns). GradWhitening (Alg. 2, input divided by its Frobenius norm first, as the
+    appendix says): Y ← GGᵀ, Z ← I, then K steps of the coupled iteration, return Z G; Alg. 2 assumes
+    m <= n, so an (m > n) input is whitened through its transpose. Rescale: sqrt(mn)·ΔW/‖ΔW‖."""
+    G = g_torch.double().T
+    m, n = G.shape
+    s = torch.sqrt((G ** 2).mean(dim=1, keepdim=True))  # one RMS per row (input index)
+    G = G / (s @ torch.ones(1, n, dtype=G.dtype))
+
+    def alg2(X):
+        X = X / torch.linalg.norm(X)
+        I = torch.eye(X.shape[0], dtype=X.dtype)  # noqa: E741
+        Diag = lambda A: torch.diag(torch.diagonal(A))  # noqa: E731
+        Y, Z = X @ X.T, I
+        for _ in range(steps):
+            if diag:
+                Y, Z = beta * Y @ Diag(3 * I - Z @ Diag(Y)), beta * (3 * I - Diag(Z) @ Y) @ Diag(Z)
+            else:
+                Y, Z = beta * Y @ (3 * I - Z @ Y), beta * (3 * I - Z @ Y) @ Z
+        return Z @ X
+
+    dW = alg2(G) if m <= n else alg2(G.T).T
+    dW = math.sqrt(m * n) * dW / torch.linalg.norm(dW)
+    return dW.T  # back to torch layout (out, in)
+
+
+@pytest.mark.parametrize("shape, method, steps, beta", [
+    ((48, 24), "ns", 10, 0.8),  # tall in torch layout (out > in): the paper's m <= n directly
+    ((24, 48), "ns", 10, 0.8),  # wide: the paper's m > n, whitened through the transpose
+    ((32, 32), "ns", 10, 0.8),
+    ((48, 24), "nsds", 2, 0.4),
+    ((32, 32), "nsds", 2, 0.4),  # square: the Gram of the input side, as Alg. 2 with m <= n
+])
+def test_swan_update_equals_literal_paper_algorithm(shape, method, steps, beta):
+    g = torch.randn(*shape, generator=torch.Generator().manual_seed(5))
+    g[:, 3] *= 100.0  # one input index with a large scale: GradNorm must remove it, on the right axis
+    want = _paper_swan(g, steps, beta, diag=method == "nsds")
+    exact = WhitenConfig(method=method, steps=steps, beta=beta, grad_norm="rms", dtype="float64")
+    got, finite = swan_update(g.double(), exact)  # same algorithm, same precision: equal to rounding
+    assert finite.item() and (got - want).abs().max() < 1e-9 * want.abs().max(), (got - want).abs().max()
+    fp32 = WhitenConfig(method=method, steps=steps, beta=beta, grad_norm="rms", dtype="float32")
+    got32, _ = swan_update(g, fp32)  # the default precision: fp32 rounding, amplified by the iteration
+    assert (got32.double() - want).abs().max() < 1e-3 * want.abs().max(), (got32.double() - want).abs().max()
+    # the comparison discriminates: another β, or GradNorm on the other axis, is far outside it
+    assert (_paper_swan(g, steps, 0.5, diag=method == "nsds") - want).abs().max() > 3e-3 * want.abs().max()
+    if shape[0] == shape[1]:
+        wrong_axis = _paper_swan(g.T.contiguous(), steps, beta, diag=method == "nsds").T
+        assert (wrong_axis - want).abs().max() > 1e-2 * want.abs().max()
+
+
+def test_grad_norm_on_tall_matrix_equals_literal_eq1():
+    g = torch.randn(40, 8, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+    g[:, 2] *= 1e3
+    G = g.T  # paper layout (in, out)
+    s = torch.sqrt((G ** 2).mean(dim=1, keepdim=True))
+    want = (G / s).T
+    got = grad_norm(g.float(), "rms").double()
+    assert (got - want).abs().max() < 1e-5 * want.abs().max()
+    assert torch.allclose(got.pow(2).mean(dim=0), torch.ones(8, dtype=torch.float64), atol=1e-5)  # unit RMS per input

@@ -52,7 +52,13 @@ def test_default_selection_by_module_type_and_summary(capsys):
         assert rules[name] == "fallback:adamw", name
     out = capsys.readouterr().out
     assert "4 matrices whitened by SWAN" in out and "layers.*.up.weight" in out
-    assert "tied with the output head" not in out or "nn.Embedding" in out
+    # the tied weight appears once, on the fallback rule, and the summary says what it is tied to
+    row = [line for line in out.splitlines() if "tok_embeddings.weight" in line]
+    assert len(row) == 1 and row[0].split()[:2] == ["fallback:adamw", "tok_embeddings.weight"], row
+    assert row[0].endswith("nn.Embedding weight (tied with output.weight)"), row
+    assert "output.weight" not in rules and "4 matrices whitened by SWAN, 7 tensors on the fallback rule" in out
+    untied = SWAN(Toy(tie=False), lr=0.01, verbose=False)
+    assert _rules(untied)["output.weight"] == "fallback:adamw" and "tied" not in untied.summary()
     assert [g["use_swan"] for g in opt.param_groups] == [True, False]
 
 
