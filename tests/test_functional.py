@@ -231,6 +231,7 @@ def _paper_swan(g_torch, steps, beta, diag):
     ((24, 48), "ns", 10, 0.8),  # wide: the paper's m > n, whitened through the transpose
     ((32, 32), "ns", 10, 0.8),
     ((48, 24), "nsds", 2, 0.4),
+    ((24, 48), "nsds", 2, 0.4),  # wide, NSDS: unlike NS, the result depends on which side's Gram is taken
     ((32, 32), "nsds", 2, 0.4),  # square: the Gram of the input side, as Alg. 2 with m <= n
 ])
 def test_swan_update_equals_literal_paper_algorithm(shape, method, steps, beta):
@@ -242,7 +243,10 @@ def test_swan_update_equals_literal_paper_algorithm(shape, method, steps, beta):
     assert finite.item() and (got - want).abs().max() < 1e-9 * want.abs().max(), (got - want).abs().max()
     fp32 = WhitenConfig(method=method, steps=steps, beta=beta, grad_norm="rms", dtype="float32")
     got32, _ = swan_update(g, fp32)  # the default precision: fp32 rounding, amplified by the iteration
-    assert (got32.double() - want).abs().max() < 1e-3 * want.abs().max(), (got32.double() - want).abs().max()
+    # measured: <= 6e-6 relative, except square NS (beta 0.8 x 10 steps amplifies the rounding of the
+    # smallest singular values: 2e-4 at this seed, up to 6e-4 over seeds)
+    tol32 = 1e-3 if method == "ns" and shape[0] == shape[1] else 1e-4
+    assert (got32.double() - want).abs().max() < tol32 * want.abs().max(), (got32.double() - want).abs().max()
     # the comparison discriminates: another β, or GradNorm on the other axis, is far outside it
     assert (_paper_swan(g, steps, 0.5, diag=method == "nsds") - want).abs().max() > 3e-3 * want.abs().max()
     if shape[0] == shape[1]:
