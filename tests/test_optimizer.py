@@ -75,7 +75,8 @@ def test_selection_by_name_include_exclude_groups_and_bare_tensors():
     with pytest.raises(ValueError, match="use_swan=True"):
         SWAN([{"params": [model.layers[0].up.bias], "use_swan": True}], lr=0.1, verbose=False)
     fresh = nn.Linear(4, 3)  # bare, untagged: decided by shape, and the summary says the name is unknown
-    opt = SWAN(fresh.parameters(), lr=0.1, verbose=False)
+    with pytest.warns(UserWarning, match="without names"):
+        opt = SWAN(fresh.parameters(), lr=0.1, verbose=False)
     assert "name unknown" in opt.summary()
     swan_dist.tag_model(model)  # tagged bare parameters (what DeepSpeed hands over) keep their rules
     opt = SWAN(model.parameters(), lr=0.1, verbose=False)
