@@ -476,10 +476,14 @@ def comm_device(backend: str, tensor_devices: Sequence[torch.device], current: d
     """Where the exchange's buffers (and so the owners' math) live, from the group's real backend and
     the devices the pieces are on: an accelerator the pieces use and the group serves first, then the
     pieces' CPU if served, then the first accelerator the group serves (CPU-offloaded pieces under
-    NCCL move there and back). ``current``: the current index per accelerator type."""
+    NCCL move there and back). ``current``: the current index per available accelerator type; a rank
+    without pieces takes an available accelerator the group serves, as its peers would."""
     served = served_devices(backend)
     current = current or {}
     types = [d.type for d in tensor_devices]
+    if not types:  # nothing here (a rank that failed to list its pieces): the accelerator its peers use
+        return next((torch.device(t, current[t]) for t in served if t != "cpu" and t in current),
+                    torch.device("cpu") if "cpu" in served else torch.device(served[0], 0))
     for d in tensor_devices:
         if d.type != "cpu" and d.type in served:
             return torch.device(d.type, d.index if d.index is not None else current.get(d.type, 0))

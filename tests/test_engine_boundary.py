@@ -29,7 +29,7 @@ CPU, CUDA0, CUDA1 = torch.device("cpu"), torch.device("cuda", 0), torch.device("
     ("nccl", [CPU, CUDA0], CUDA0),
     ("cuda:nccl,cpu:gloo", [CPU], CPU),  # init_process_group() with CUDA available
     ("cpu:gloo,cuda:nccl", [CUDA1], CUDA1),
-    ("cuda:nccl,cpu:gloo", [], CPU),
+    ("cuda:nccl,cpu:gloo", [], torch.device("cuda", 3)),  # no pieces here: the GPU its peers use
     ("undefined", [CPU], CPU),  # lazy init: torch's default backend per device
     ("undefined", [CUDA0], CUDA0),
     ("ucc", [CUDA1], CUDA1),
@@ -37,6 +37,11 @@ CPU, CUDA0, CUDA1 = torch.device("cpu"), torch.device("cuda", 0), torch.device("
 ])
 def test_comm_device_follows_the_backend_for_the_pieces_devices(backend, pieces, want):
     assert comm_device(backend, pieces, {"cuda": 3}) == want
+
+
+def test_comm_device_without_pieces_or_accelerator():
+    assert comm_device("cuda:nccl,cpu:gloo", []) == CPU  # no CUDA on this machine
+    assert comm_device("gloo", [], {"cuda": 0}) == CPU
 
 
 def test_backend_strings():
