@@ -18,7 +18,7 @@ An adapter answers, for the tensors it claims:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch

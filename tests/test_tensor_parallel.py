@@ -84,7 +84,7 @@ def _placements(model: nn.Module) -> dict[str, str]:
 def _refused_worker_part(world: int) -> list[str]:
     """Layouts SWAN cannot map, refused at construction (the same error on every rank)."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Partial, Shard
+    from torch.distributed.tensor import DTensor, Partial
     from torch.distributed.tensor.placement_types import _StridedShard
 
     mesh = init_device_mesh("cpu", (world,))
@@ -96,7 +96,6 @@ def _refused_worker_part(world: int) -> list[str]:
             errors.append("accepted")
         except ValueError as e:
             errors.append(str(e))
-    del Shard
     return errors
 
 
