@@ -13,14 +13,14 @@ from .ddp import ReplicatedAdapter
 from .deepspeed import DeepSpeedAdapter
 from .dtensor import DTensorAdapter
 from .fsdp1 import FlatParamAdapter, OrigParamAdapter
-from .megatron import MegatronTPAdapter
+from .megatron import MegatronAdapter
 
 ADAPTERS = (
     DeepSpeedAdapter(),  # ZeRO-3 partitioned parameters; flat fp32 partitions replacing a group
     FlatParamAdapter(),  # FSDP1 use_orig_params=False: a FlatParameter packs several originals
     OrigParamAdapter(),  # FSDP1 use_orig_params=True: flat views of each original's shard
     DTensorAdapter(),  # FSDP2, tensor parallelism and both (Shard / _StridedShard / Replicate)
-    MegatronTPAdapter(),  # megatron-core's column/row-parallel layers (plain tensors, partition_dim)
+    MegatronAdapter(),  # megatron-core's TP layers (plain tensors, partition_dim), its distributed optimizer
     ReplicatedAdapter(),  # DDP, ZeRO-0, no wrapper: every rank holds the whole tensor
 )
 

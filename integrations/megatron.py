@@ -1,6 +1,9 @@
-"""Megatron-core tensor parallelism: ``ColumnParallelLinear`` / ``RowParallelLinear`` (and any parameter
-Megatron tags ``tensor_model_parallel``) hold a block of the logical matrix as a plain tensor,
-``partition_dim`` telling which dim is cut over the tensor-parallel group:
+"""megatron-core: tensor-parallel layouts, fused matrices, the optimizer factory.
+
+**Layouts.** ``ColumnParallelLinear`` / ``RowParallelLinear`` / ``VocabParallelEmbedding`` hold a block
+of the logical matrix as a plain tensor, ``partition_dim`` telling which dim is cut over the
+tensor-parallel group (Megatron's own attributes; for layers built without initialization, which do
+not get them, :meth:`MegatronAdapter.prepare` records the dim from the module type):
 
 - ``partition_dim=0`` (column-parallel: ``linear_qkv``, ``linear_fc1``, ``output_layer``): TP rank r
   holds rows ``[r·m/tp, (r+1)·m/tp)``, one range of the row-major order;
@@ -8,50 +11,283 @@ Megatron tags ``tensor_model_parallel``) hold a block of the logical matrix as a
   one range of the column-block order (``Layout.col_splits``); the owner puts the blocks back along
   columns (SWAN is not transpose-equivariant, so a transpose would be wrong).
 
-Every data-parallel replica holds the same block (Megatron DDP all-reduces gradients), so the engine's
-group is the whole TP x DP world and each matrix is whitened whole, once. ``partition_stride > 1``
-(SwiGLU ``linear_fc1``: each rank holds ``[gate_r; up_r]``) concatenates to a row permutation of
-``[gate; up]``, which SWAN whitens like ``[gate; up]`` (it is row-permutation equivariant).
+Every data-parallel replica holds the same block, so the engine's group is the TP x DP (x CP) group
+of a pipeline stage and each matrix is whitened whole, once. With the distributed optimizer a rank
+holds one contiguous range of its TP block's flattened fp32 main copy (:meth:`MegatronAdapter.adopt`).
+
+**Fused matrices.** ``linear_qkv`` interleaves ``[q.. k v]`` per query group and a SwiGLU
+``linear_fc1`` holds ``[gate_r; up_r]`` on TP rank r; both are whitened as their separate matrices
+(Q, K, V; gate, up) by default: the piece carries the row pattern (``Piece.split``) and the owner
+whitens each part of the assembled matrix apart. SWAN is row-permutation equivariant, so a part's
+rows in TP order give the same update as in the TP=1 order.
+
+**Factory.** :func:`get_swan_optimizer` takes ``get_megatron_optimizer``'s arguments and returns
+Megatron's own objects (``ChainedOptimizer`` of ``FP32Optimizer`` / ``Float16OptimizerWithFloat16Params``
+/ ``DistributedOptimizer``) with :class:`swan_dist.SWAN` inside. The Megatron-LM ``--optimizer swan``
+flag is :mod:`swan_dist.integrations.megatron_lm`; ``python -m swan_dist.integrations.megatron
+pretrain_gpt.py ...`` runs it.
 """
 
 from __future__ import annotations
 
-from torch import Tensor
+import contextlib
+import dataclasses
+import sys
+from typing import Any
 
-from swan_dist.adapter import Adapter, Piece, tensor_piece
+import torch
+from torch import Tensor, nn
+
+from swan_dist.adapter import Adapter, Member, Piece, StateSlot, tensor_piece
 from swan_dist.routing import Layout
 
+SHARD = "_swan_main_shard"  # on a model param under the distributed optimizer: (fp32 shard | None, start, end)
+TP_DIM = "_swan_tp_dim"  # partition dim of a TP layer's weight built without Megatron's attributes
+SPLIT, PARTS = "_swan_split", "_swan_parts"  # a fused matrix's row pattern (one period) and its parts' names
+_OURS = (TP_DIM, SPLIT, PARTS)
 
-def _tp() -> tuple[int, int]:
-    from megatron.core import parallel_state
 
-    return parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
+def _expert(tensor: Tensor) -> bool:
+    return getattr(tensor, "allreduce", True) is False  # Megatron's mark on expert parameters
 
 
-class MegatronTPAdapter(Adapter):
-    name = "megatron-tp"
+def _tp(tensor: Tensor) -> tuple[int, int]:
+    from megatron.core import parallel_state as ps
+
+    if _expert(tensor):
+        return ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size()
+    return ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+
+
+def _dim(tensor: Tensor) -> int | None:
+    if getattr(tensor, "tensor_model_parallel", False):
+        return tensor.partition_dim
+    return getattr(tensor, TP_DIM, None)
+
+
+def mark_fused(model: nn.Module, split_qkv: bool = True, split_glu: bool = True) -> None:
+    """Record on ``linear_qkv`` / gated ``linear_fc1`` weights the row pattern of their parts (or that
+    they are whitened fused). Idempotent; :func:`get_swan_optimizer` calls it with its options."""
+    from megatron.core.transformer.attention import SelfAttention
+    from megatron.core.transformer.mlp import MLP
+
+    for mod in model.modules():
+        w, split, parts = None, (), ""
+        if isinstance(mod, SelfAttention) and getattr(mod, "linear_qkv", None) is not None:
+            w, cfg = mod.linear_qkv.weight, mod.config
+            heads, groups = cfg.num_attention_heads, cfg.num_query_groups or cfg.num_attention_heads
+            if split_qkv and not getattr(cfg, "attention_output_gate", False) and heads % groups == 0:
+                d = cfg.kv_channels
+                split, parts = (heads // groups * d, d, d), "Q, K, V (per query group)"
+        elif isinstance(mod, MLP) and mod.config.gated_linear_unit and getattr(mod, "linear_fc1", None) is not None:
+            w = mod.linear_fc1.weight
+            if split_glu and w is not None and w.shape[0] % 2 == 0:
+                split, parts = (w.shape[0] // 2, w.shape[0] // 2), "gate, up (gated linear unit)"
+        if isinstance(w, Tensor):
+            setattr(w, SPLIT, split)
+            setattr(w, PARTS, parts)
+
+
+def _copy_marks(dst: Tensor, src: Tensor) -> None:
+    for key in _OURS:
+        if hasattr(src, key):
+            setattr(dst, key, getattr(src, key))
+
+
+class MegatronAdapter(Adapter):
+    name = "megatron"
+
+    def prepare(self, model: nn.Module) -> None:
+        if "megatron.core" not in sys.modules:
+            return
+        from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+
+        dims = ((ColumnParallelLinear, 0), (VocabParallelEmbedding, 0), (RowParallelLinear, 1))
+        for mod in model.modules():
+            w = getattr(mod, "weight", None)
+            dim = next((d for cls, d in dims if isinstance(mod, cls)), None)
+            if dim is not None and isinstance(w, Tensor) and not getattr(w, "tensor_model_parallel", False):
+                setattr(w, TP_DIM, dim)
+        if not any(hasattr(p, SPLIT) for p in model.parameters()):
+            mark_fused(model)
 
     def claims(self, tensor: Tensor) -> bool:
-        return bool(getattr(tensor, "tensor_model_parallel", False)) and type(tensor).__name__ != "DTensor"
+        return _dim(tensor) is not None and type(tensor).__name__ != "DTensor"
 
     def shape(self, tensor: Tensor) -> tuple[int, ...]:
-        _, size = _tp()
-        dim = tensor.partition_dim
+        _, size = _tp(tensor)
+        dim = _dim(tensor)
         return tuple(s * size if d == dim else s for d, s in enumerate(tensor.shape))
 
+    def members(self, tensor: Tensor, name: str | None) -> list[Member]:
+        return [Member(name, self.shape(tensor), tensor, parts=getattr(tensor, PARTS, ""))]
+
     def check(self, tensor: Tensor, name: str) -> None:
-        if tensor.dim() not in (1, 2) or tensor.partition_dim not in range(tensor.dim()):
+        if tensor.dim() not in (1, 2) or _dim(tensor) not in range(tensor.dim()):
             raise ValueError(f"swan_dist: Megatron parameter {name!r} of local shape {list(tensor.shape)} is cut on dim "
-                             f"{tensor.partition_dim}; SWAN maps 2-D weights cut on dim 0 or 1, and 1-D ones")
+                             f"{_dim(tensor)}; SWAN maps 2-D weights cut on dim 0 or 1, and 1-D ones")
+
+    @staticmethod
+    def _layout(tensor: Tensor) -> Layout:
+        _, size = _tp(tensor)
+        if tensor.dim() == 2 and _dim(tensor) == 1 and size > 1:
+            return Layout(tuple(tensor.shape[1] * k for k in range(1, size)))
+        return Layout()
 
     def pieces(self, tensor: Tensor, name: str, rules: tuple[bool, ...]) -> list[Piece]:
-        rank, size = _tp()
-        shape = self.shape(tensor)
-        layout = Layout()
-        if tensor.dim() == 2 and tensor.partition_dim == 1 and size > 1:
-            width = tensor.shape[1]
-            layout = Layout(tuple(width * k for k in range(1, size)))
-        return [tensor_piece(name, tensor, shape=shape, lo=rank * tensor.numel(), grad=tensor.grad, layout=layout)]
+        rank, _ = _tp(tensor)
+        return [tensor_piece(name, tensor, shape=self.shape(tensor), lo=rank * tensor.numel(), grad=tensor.grad,
+                             layout=self._layout(tensor), split=getattr(tensor, SPLIT, ()))]
+
+    def adopt(self, originals, params, use_swan, index, group) -> list[Piece] | None:
+        """The distributed optimizer replaced a group's parameters by this rank's fp32 shards (only
+        those it has a range of): one piece per original, empty where this rank holds none of it."""
+        if not originals or not all(hasattr(p, SHARD) for _, p in originals):
+            return None
+        out = []
+        for name, p in originals:
+            shard, start, end = getattr(p, SHARD)
+            tp = _dim(p) is not None
+            rank = _tp(p)[0] if tp else 0
+            shape = self.shape(p) if tp else tuple(p.shape)
+            layout = self._layout(p) if tp else Layout()
+            lo = rank * p.numel() + start
+            if shard is None:
+                empty = torch.empty(0, dtype=torch.float32, device=p.device)
+                out.append(Piece(name, shape, lo, lo, empty, None, empty, None, StateSlot(empty), layout))
+                continue
+            out.append(Piece(name, shape, lo, lo + shard.numel(), shard.detach().view(-1), shard.grad, shard,
+                             shard.grad, StateSlot(shard), layout, getattr(p, SPLIT, ())))
+        return out
 
 
-__all__ = ["MegatronTPAdapter"]
+# --------------------------------------------------------------------------- the optimizer factory
+# OptimizerConfig fields swan_dist cannot serve, with what to do instead
+_REFUSED = {
+    "optimizer_cpu_offload": "SWAN keeps no moments to offload; drop --optimizer-cpu-offload",
+    "use_precision_aware_optimizer": "SWAN's state is fp32 and only for fallback tensors; drop --use-precision-aware-optimizer",
+}
+SWAN_OPTIONS = dict(preset="swan_ddagger", alpha=None, whitening=None, ns_steps=None, beta=None, grad_norm=None,
+                    whiten_dtype=None, fallback=None, mode="auto", bucket_mb=256.0, split_qkv=True, split_glu=True,
+                    verbose=True)
+
+
+def _swan_kwargs(config: Any, swan: dict | None) -> dict:
+    """SWAN options: ``swan_<key>`` attributes of ``config`` (the Megatron-LM flags), then ``swan``."""
+    out = {k: getattr(config, f"swan_{k}", v) for k, v in SWAN_OPTIONS.items()}
+    unknown = set(swan or ()) - set(SWAN_OPTIONS)
+    if unknown:
+        raise ValueError(f"swan_dist: unknown SWAN option(s) {sorted(unknown)}; known: {sorted(SWAN_OPTIONS)}")
+    out.update(swan or {})
+    return out
+
+
+def _swan_init_state(opt, config=None) -> None:
+    """Megatron calls this before loading a checkpoint into empty state: SWAN's own (AdamW moments for
+    the fallback tensors that keep them, nothing for SWAN matrices)."""
+    opt.init_state()
+
+
+@contextlib.contextmanager
+def _build_with(factory):
+    """Megatron's factory builds its inner optimizer as ``Adam(**kwargs)`` and the distributed optimizer
+    checks ``isinstance(optimizer, Adam)``: during the call both names stand for SWAN."""
+    import megatron.core.optimizer as mo
+    import megatron.core.optimizer.distrib_optimizer as do
+    from swan_dist import SWAN
+
+    saved = (mo.Adam, mo.USING_PYTORCH_OPTIMIZER, do.Adam)
+    mo.Adam, mo.USING_PYTORCH_OPTIMIZER, do.Adam = factory, False, SWAN
+    try:
+        yield
+    finally:
+        mo.Adam, mo.USING_PYTORCH_OPTIMIZER, do.Adam = saved
+
+
+def _wrappers(optimizer) -> list:
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def get_swan_optimizer(config, model_chunks, config_overrides=None, use_gloo_process_groups: bool = True,
+                       pg_collection=None, dump_param_to_param_group_map=None, *, swan: dict | None = None):
+    """``megatron.core.optimizer.get_megatron_optimizer`` with SWAN as the inner optimizer.
+
+    Same arguments; SWAN's options come from ``swan`` (keys of ``SWAN_OPTIONS``: preset, alpha,
+    whitening, ns_steps, beta, grad_norm, whiten_dtype, fallback, mode, bucket_mb, split_qkv,
+    split_glu, verbose) or ``swan_<key>`` attributes on ``config``. ``config.lr``, ``weight_decay``,
+    ``adam_beta1/2``, ``adam_eps`` keep their Megatron meaning (the betas and eps are the AdamW
+    fallback's); Megatron's scheduler, clipping, loss scaling and checkpointing work unchanged.
+    Returns Megatron's ``ChainedOptimizer``.
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.optimizer import DistributedOptimizer, Float16OptimizerWithFloat16Params, get_megatron_optimizer
+    from swan_dist import SWAN, tag_model
+
+    for key, why in _REFUSED.items():
+        if getattr(config, key, False):
+            raise ValueError(f"swan_dist: OptimizerConfig.{key}=True is not supported with SWAN: {why}")
+    chunks = list(model_chunks)
+    if chunks and getattr(getattr(chunks[0], "ddp_config", None), "use_megatron_fsdp", False):
+        raise ValueError("swan_dist: Megatron FSDP (use_megatron_fsdp / --use-megatron-fsdp) is not supported with "
+                         "SWAN; use --use-distributed-optimizer (ZeRO-1 style shards) instead")
+    opts = _swan_kwargs(config, swan)
+    split_qkv, split_glu = opts.pop("split_qkv"), opts.pop("split_glu")
+    for chunk in chunks:
+        mark_fused(chunk, split_qkv, split_glu)
+    tag_model(chunks[0] if len(chunks) == 1 else nn.ModuleList(chunks))
+    dense = ps.get_tensor_and_data_parallel_group(with_context_parallel=True)
+    built: list[SWAN] = []
+
+    def factory(params, lr, weight_decay, betas, eps, **_):
+        expert = any(g.get("is_expert_parallel") and g["params"] for g in params)
+        if expert and (ps.get_expert_model_parallel_world_size() > 1
+                       or ps.get_expert_tensor_parallel_world_size() != ps.get_tensor_model_parallel_world_size()):
+            raise ValueError("swan_dist: expert parallelism (--expert-model-parallel-size > 1, or an "
+                             "--expert-tensor-parallel-size other than --tensor-model-parallel-size) is not supported "
+                             "with SWAN yet: its experts are held by a group other than the dense TP x DP group")
+        opt = SWAN(params, lr=lr, weight_decay=weight_decay, betas=tuple(betas), eps=eps, process_group=dense,
+                   **{k: v for k, v in opts.items() if v is not None})
+        built.append(opt)
+        return opt
+
+    with _build_with(factory):
+        optimizer = get_megatron_optimizer(dataclasses.replace(config, optimizer="adam"), chunks, config_overrides,
+                                           use_gloo_process_groups, pg_collection, dump_param_to_param_group_map)
+    for wrapper in _wrappers(optimizer):
+        if getattr(wrapper, "optimizer", None) is None:
+            continue
+        wrapper.init_state_fn = _swan_init_state
+        if isinstance(wrapper, DistributedOptimizer):
+            _mark_shards(wrapper)
+        elif isinstance(wrapper, Float16OptimizerWithFloat16Params):
+            for model_group, main_group in zip(wrapper.float16_groups, wrapper.fp32_from_float16_groups):
+                for p, main in zip(model_group, main_group):
+                    _copy_marks(main, p)
+    return optimizer
+
+
+def _mark_shards(wrapper) -> None:
+    """Record on each model parameter its fp32 shard under the distributed optimizer and the range of
+    its TP-local flattened tensor the shard covers; parameters this rank holds no range of get ``None``."""
+    for g in wrapper.optimizer._origin:
+        for _, p in g:
+            setattr(p, SHARD, (None, 0, 0))
+    pairs = [(wrapper.model_float16_groups, wrapper.shard_fp32_from_float16_groups),
+             (wrapper.model_fp32_groups, wrapper.shard_fp32_groups)]
+    for model_groups, shard_groups in pairs:
+        for model_group, shard_group in zip(model_groups, shard_groups):
+            for p, shard in zip(model_group, shard_group):
+                r = wrapper._get_model_param_range_map(p)["param"]
+                setattr(p, SHARD, (shard, r.start, r.end))
+
+
+def main() -> None:
+    from swan_dist.integrations.megatron_lm import main as run
+
+    run()
+
+
+__all__ = ["MegatronAdapter", "get_swan_optimizer", "mark_fused", "SWAN_OPTIONS"]
+
+if __name__ == "__main__":
+    main()

@@ -53,7 +53,8 @@ class Piece:
 
     Engine side: elements ``[lo, hi)`` of the parameter of full ``shape`` numbered in ``layout``'s
     canonical order (plain row-major unless a tensor-parallel split says otherwise), with flat views
-    ``param`` and ``grad`` (``None``: no gradient on this rank) of those elements.
+    ``param`` and ``grad`` (``None``: no gradient on this rank) of those elements. ``split``: the
+    matrix fuses several (Megatron's QKV, a SwiGLU ``fc1``), whitened as separate parts.
     Fallback side: the rule updates ``target`` from ``target_grad`` with its state at ``slot``
     (the framework's own tensor, e.g. a DTensor, so that its state has the framework's type).
     """
@@ -68,6 +69,7 @@ class Piece:
     target_grad: Tensor | None
     slot: StateSlot
     layout: Layout = ROW_MAJOR
+    split: tuple[int, ...] = ()  # a fused matrix's row pattern: its parts are whitened apart (routing.split_rows)
 
     @property
     def whole(self) -> bool:
@@ -75,7 +77,8 @@ class Piece:
 
 
 def tensor_piece(name: str, p: Tensor, shape: tuple[int, ...] | None = None, lo: int = 0,
-                 local: Tensor | None = None, grad: Tensor | None = None, layout: Layout = ROW_MAJOR) -> Piece:
+                 local: Tensor | None = None, grad: Tensor | None = None, layout: Layout = ROW_MAJOR,
+                 split: tuple[int, ...] = ()) -> Piece:
     """A piece whose fallback target is the tensor ``p`` itself (state in ``optimizer.state[p]``); the
     engine sees ``local`` (default ``p``) flattened as elements ``[lo, lo + numel)`` of ``shape``."""
     local = p if local is None else local
@@ -84,7 +87,7 @@ def tensor_piece(name: str, p: Tensor, shape: tuple[int, ...] | None = None, lo:
         raise ValueError(f"swan_dist: the local tensor of {name!r} is not contiguous; SWAN updates it in place")
     g = None if grad is None else grad.reshape(-1)
     return Piece(name, tuple(p.shape) if shape is None else tuple(shape), lo, lo + flat.numel(), flat, g,
-                 p, p.grad, StateSlot(p), layout)
+                 p, p.grad, StateSlot(p), layout, tuple(split))
 
 
 @dataclass
@@ -98,6 +101,7 @@ class Member:
     module: nn.Module | None = None
     param_name: str | None = None
     embedding: bool = False
+    parts: str = ""  # a fused matrix whitened as parts: what they are, for the summary ("Q, K, V per query group")
 
 
 class Adapter:

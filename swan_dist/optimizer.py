@@ -24,7 +24,7 @@ from torch.optim.adam import adam as _adam_functional
 from .adapter import Member, Piece, adapter_for, adopt, name_bare_params, optimizer_built
 from .functional import WhitenConfig, resolve_dtype, swan_update
 from .presets import OPTIMIZER_KEYS, load_preset
-from .routing import Exchange, MatrixSpec, StepAgreement, build_plan, comm_device
+from .routing import Exchange, MatrixSpec, StepAgreement, build_plan, comm_device, split_rows
 from .selection import Rule, classify, collapse_name, param_groups, tag_model, tagged_name
 
 __all__ = ["SWAN", "FALLBACKS"]
@@ -254,6 +254,8 @@ class SWAN(torch.optim.Optimizer):
                 raise ValueError(f"param group use_swan=True but {name or 'a parameter'} is {len(shape)}-D")
         else:
             rule = classify(name, p, self._include, self._exclude)
+        if rule.use_swan and p.parts:
+            rule = Rule(True, f"{rule.reason}; whitened as {p.parts}")
         self._rows.append((label, shape, "SWAN" if rule.use_swan else f"fallback:{group['fallback']}", rule))
         return rule.use_swan
 
@@ -304,6 +306,18 @@ class SWAN(torch.optim.Optimizer):
                 sd["state"][i] = adapter_for(p).export_state(p, sd["state"][i], rules, stateful)
                 i += 1
         return sd
+
+    def init_state(self) -> None:
+        """Create, as a first step would, the state of every tensor whose rule keeps some (the AdamW
+        fallback's moments); SWAN matrices and stateless rules get none. For frameworks that allocate
+        state before loading a checkpoint into it (Megatron's ``init_state_fn``)."""
+        for g in self.param_groups:
+            if g["use_swan"] or g["fallback"] != "adamw":
+                continue
+            for p in g["params"]:
+                st = self.state[p]
+                if not st and p not in self._packed:  # a packed tensor's compact state starts at its first step
+                    st.update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torch's, then each tensor's state back from its framework's layout (``Adapter.import_state``);
@@ -440,15 +454,16 @@ class SWAN(torch.optim.Optimizer):
             g, pc = entries[i]
             if pc.grad.is_sparse:
                 raise RuntimeError("SWAN does not support sparse gradients")
-            batches[(pc.shape, pc.grad.dtype, pc.grad.device, _whiten_config(g))].append(i)
-        for (shape, _, _, cfg), idx in batches.items():
+            batches[(pc.shape, pc.grad.dtype, pc.grad.device, _whiten_config(g), pc.split)].append(i)
+        for (shape, _, _, cfg, split), idx in batches.items():
             per = max(1, _MAX_BATCH_BYTES // max(1, 4 * torch.Size(shape).numel()))
             for k in range(0, len(idx), per):
                 chunk = [entries[i] for i in idx[k : k + per]]
-                upd, _ = swan_update(torch.stack([pc.layout.to_full(pc.grad, shape) for _, pc in chunk]), cfg)
+                stack = torch.stack([pc.layout.to_full(pc.grad, shape) for _, pc in chunk])
+                upd = split_rows(stack, split, lambda x: swan_update(x, cfg)[0])
                 for (g, pc), u in zip(chunk, upd):
                     self._apply(g, pc.param, pc.layout.from_full(u))
-                self.whitened_matrices += len(chunk) * max(1, torch.Size(shape[:-2]).numel())
+                self.whitened_matrices += len(chunk) * max(1, torch.Size(shape[:-2]).numel()) * max(1, len(split))
 
     def _swan_distributed(self, entries, swan, skip, layout_key, group, device) -> None:
         """Owner / replicated engine: whiten each matrix on its owner(s), updates back to the holders.
@@ -456,7 +471,8 @@ class SWAN(torch.optim.Optimizer):
         pieces = [entries[i][1] for i in swan]
         self._plan = self._plans.get(layout_key)
         if self._plan is None or self._plan.device != device:
-            specs = [MatrixSpec(pc.name, pc.shape, _whiten_config(entries[i][0]), pc.layout) for i, pc in zip(swan, pieces)]
+            specs = [MatrixSpec(pc.name, pc.shape, _whiten_config(entries[i][0]), pc.layout, pc.split)
+                     for i, pc in zip(swan, pieces)]
             ranges: list = [None] * dist.get_world_size(group)
             dist.all_gather_object(ranges, [(pc.lo, pc.hi) for pc in pieces], group=group)
             plan = build_plan(specs, ranges, self._mode(len(ranges)), int(self.bucket_mb * 2**20))
@@ -492,7 +508,7 @@ class SWAN(torch.optim.Optimizer):
         """What every rank must agree on, per parameter (name, shape, layout, dtype, rule, hyper-parameters)."""
         keys = sorted(OPTIMIZER_KEYS) + ["use_swan"]
         return [
-            (pc.name, pc.shape, pc.layout.col_splits, str(pc.param.dtype), tuple((k, repr(g.get(k))) for k in keys))
+            (pc.name, pc.shape, (pc.layout.col_splits, pc.split), str(pc.param.dtype), tuple((k, repr(g.get(k))) for k in keys))
             for g, pc in entries
         ] + [("<engine>", self.mode, self.bucket_mb)]
 

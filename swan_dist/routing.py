@@ -29,7 +29,8 @@ from torch import Tensor
 
 from .functional import WhitenConfig, swan_update, whiten_flops
 
-__all__ = ["Layout", "ROW_MAJOR", "MatrixSpec", "Plan", "Bucket", "build_plan", "cover", "Exchange", "Segment", "StepAgreement", "swan_compute", "swan_cost"]
+__all__ = ["Layout", "ROW_MAJOR", "MatrixSpec", "Plan", "Bucket", "build_plan", "cover", "Exchange", "Segment",
+           "StepAgreement", "swan_compute", "swan_cost", "split_rows", "part_shapes"]
 
 Range = tuple[int, int]
 Segment = tuple[int, int, int]  # (matrix index, lo, hi)
@@ -101,6 +102,7 @@ class MatrixSpec:
     shape: tuple[int, ...]  # full shape, >= 2-D; leading dims are a stack of matrices
     cfg: Hashable  # the per-matrix computation's options (SWAN: a WhitenConfig)
     layout: Layout = ROW_MAJOR  # the canonical order the ranks' ranges number elements in
+    split: tuple[int, ...] = ()  # row pattern of a fused matrix computed as separate parts (split_rows)
 
     @property
     def numel(self) -> int:
@@ -119,7 +121,43 @@ def swan_compute(stack: Tensor, cfg: WhitenConfig) -> Tensor:
 def swan_cost(spec: MatrixSpec) -> float:
     """The default cost model (FLOPs of SWAN's whitening), for balancing owners."""
     stack = spec.numel // max(1, spec.shape[-2] * spec.shape[-1]) if spec.numel else 0
-    return stack * whiten_flops((spec.shape[-2], spec.shape[-1]), spec.cfg)
+    return stack * sum(whiten_flops(part, spec.cfg) for part in part_shapes(spec.shape[-2:], spec.split))
+
+
+def _periods(rows: int, split: Sequence[int]) -> int:
+    period = sum(split)
+    if not split or min(split) <= 0 or rows % period:
+        raise ValueError(f"swan_dist: row split {tuple(split)} does not tile {rows} rows")
+    return rows // period
+
+
+def part_shapes(shape: Sequence[int], split: Sequence[int]) -> list[tuple[int, int]]:
+    """The matrices a fused ``(rows, cols)`` matrix with row pattern ``split`` is computed as."""
+    rows, cols = shape[-2], shape[-1]
+    if not split:
+        return [(rows, cols)]
+    k = _periods(rows, split)
+    return [(k * s, cols) for s in split]
+
+
+def split_rows(stack: Tensor, split: Sequence[int], compute: Callable[[Tensor], Tensor]) -> Tensor:
+    """``compute`` applied to each part of a stack of fused matrices, the result reassembled in place
+    of the parts. ``split = (s_1, ..., s_j)``: the rows repeat a period of ``j`` blocks of those sizes,
+    and part i gathers block i of every period, in order (Megatron's QKV interleaved per query group:
+    ``(q, k, v)`` rows per group; a tensor-parallel SwiGLU ``fc1``: ``(gate_r, up_r)`` per rank). Each
+    part is a matrix of its own for SWAN (GradNorm and whitening see only its rows)."""
+    if not split:
+        return compute(stack)
+    *lead, rows, cols = stack.shape
+    k = _periods(rows, split)
+    view = stack.reshape(*lead, k, sum(split), cols)
+    out = torch.empty_like(view)
+    a = 0
+    for s in split:
+        part = view[..., a:a + s, :].reshape(*lead, k * s, cols)
+        out[..., a:a + s, :] = compute(part).reshape(*lead, k, s, cols).to(out.dtype)
+        a += s
+    return out.reshape(stack.shape)
 
 
 @dataclass
@@ -347,7 +385,7 @@ class Exchange:
             work.wait()
             full = self._assemble(k, recv, grad_piece)
             updates = self._compute(full, skip)
-            whitened += len(updates)
+            whitened += sum(max(1, len(self.plan.specs[m].split)) for m in updates)
             for m, u in updates.items():
                 lo, hi = my[m]
                 if hi > lo:
@@ -383,11 +421,12 @@ class Exchange:
         for m in full:
             if m not in skip:
                 spec = self.plan.specs[m]
-                groups.setdefault((spec.shape, spec.cfg), []).append(m)
+                groups.setdefault((spec.shape, spec.cfg, spec.split), []).append(m)
         out: dict[int, Tensor] = {}
-        for (shape, cfg), ms in groups.items():
+        for (shape, cfg, split), ms in groups.items():
             specs = [self.plan.specs[m] for m in ms]
-            upd = self.compute(torch.stack([s.layout.to_full(full[m], shape) for s, m in zip(specs, ms)]), cfg)
+            stack = torch.stack([s.layout.to_full(full[m], shape) for s, m in zip(specs, ms)])
+            upd = split_rows(stack, split, lambda x: self.compute(x, cfg))
             for s, m, u in zip(specs, ms, upd):
                 out[m] = s.layout.from_full(u)
         return out

@@ -116,7 +116,7 @@ def tag_model(
         members = members_of(p, clean_name(name))
         if len(members) == 1 and members[0].holder is p:  # the tensor is the parameter: its module is known
             mod, pname = by_id[id(p)]
-            members = [Member(clean_name(name), members[0].shape, p, mod, pname, id(p) in embed_ids)]
+            members = [Member(clean_name(name), members[0].shape, p, mod, pname, id(p) in embed_ids, members[0].parts)]
         for t in members:
             name, mod, pname = t.name, t.module, t.param_name
             rule = classify(name, t, include, exclude)
