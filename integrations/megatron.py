@@ -154,7 +154,8 @@ class MegatronAdapter(Adapter):
             lo = rank * p.numel() + start
             if shard is None:
                 empty = torch.empty(0, dtype=torch.float32, device=p.device)
-                out.append(Piece(name, shape, lo, lo, empty, None, empty, None, StateSlot(empty), layout))
+                out.append(Piece(name, shape, lo, lo, empty, None, empty, None, StateSlot(empty), layout,
+                                 getattr(p, SPLIT, ())))
                 continue
             out.append(Piece(name, shape, lo, lo + shard.numel(), shard.detach().view(-1), shard.grad, shard,
                              shard.grad, StateSlot(shard), layout, getattr(p, SPLIT, ())))
@@ -202,6 +203,33 @@ def _build_with(factory):
         yield
     finally:
         mo.Adam, mo.USING_PYTORCH_OPTIMIZER, do.Adam = saved
+
+
+@contextlib.contextmanager
+def _group_keys_with_use_swan():
+    """Megatron matches param groups on load by ``param_group_identifier_keys`` (optimizer.py:96, read
+    at 383-435 and distrib_optimizer.py:737-764); SWAN splits each of Megatron's groups into a SWAN and
+    a fallback group with equal keys, which that matching would merge (a size mismatch, or one group's
+    options on the other). While a SWAN wrapper loads, ``use_swan`` is one of the keys."""
+    import megatron.core.optimizer.distrib_optimizer as do
+    import megatron.core.optimizer.optimizer as oo
+
+    saved = (oo.param_group_identifier_keys, do.param_group_identifier_keys)
+    oo.param_group_identifier_keys = do.param_group_identifier_keys = (*saved[0], "use_swan")
+    try:
+        yield
+    finally:
+        oo.param_group_identifier_keys, do.param_group_identifier_keys = saved
+
+
+def _load_with_use_swan(wrapper) -> None:
+    load = wrapper.load_state_dict
+
+    def load_state_dict(state_dict, *args, **kwargs):
+        with _group_keys_with_use_swan():
+            return load(state_dict, *args, **kwargs)
+
+    wrapper.load_state_dict = load_state_dict
 
 
 def _wrappers(optimizer) -> list:
@@ -257,6 +285,7 @@ def get_swan_optimizer(config, model_chunks, config_overrides=None, use_gloo_pro
         if getattr(wrapper, "optimizer", None) is None:
             continue
         wrapper.init_state_fn = _swan_init_state
+        _load_with_use_swan(wrapper)
         if isinstance(wrapper, DistributedOptimizer):
             _mark_shards(wrapper)
         elif isinstance(wrapper, Float16OptimizerWithFloat16Params):
