@@ -197,12 +197,42 @@ def _build_with(factory):
     import megatron.core.optimizer.distrib_optimizer as do
     from swan_dist import SWAN
 
-    saved = (mo.Adam, mo.USING_PYTORCH_OPTIMIZER, do.Adam)
+    saved = (mo.Adam, mo.USING_PYTORCH_OPTIMIZER, do.Adam, mo.DistributedOptimizer)
     mo.Adam, mo.USING_PYTORCH_OPTIMIZER, do.Adam = factory, False, SWAN
+    mo.DistributedOptimizer = _distributed_optimizer_class()
     try:
         yield
     finally:
-        mo.Adam, mo.USING_PYTORCH_OPTIMIZER, do.Adam = saved
+        mo.Adam, mo.USING_PYTORCH_OPTIMIZER, do.Adam, mo.DistributedOptimizer = saved
+
+
+_DIST_OPT: list = []
+DIST_OPT_CHECKPOINT = (
+    "swan_dist: optimizer checkpoints of SWAN under Megatron's distributed optimizer are not supported yet (Megatron "
+    "0.16 stores Adam moments for every parameter there). Train without --use-distributed-optimizer to save optimizer "
+    "state (SWAN keeps none for its matrices: the state is the fallback's alone), or pass --no-save-optim and "
+    "--no-load-optim")
+
+
+def _distributed_optimizer_class():
+    """Megatron's ``DistributedOptimizer`` for SWAN (built once, lazily)."""
+    if _DIST_OPT:
+        return _DIST_OPT[0]
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    class SwanDistributedOptimizer(DistributedOptimizer):
+        """The distributed optimizer around SWAN. Megatron 0.16's checkpoint formats for it are Adam's:
+        every bucket-space format stores ``exp_avg``/``exp_avg_sq`` over whole buckets (SWAN matrices
+        have none) and the model-space one is refused by its own ``dist_checkpointing``. Until swan_dist
+        has a format of its own, saving or loading optimizer state here is refused with what to do."""
+
+        def sharded_state_dict(self, *args, **kwargs):
+            raise ValueError(DIST_OPT_CHECKPOINT)
+
+        get_parameter_state_dp_zero = load_parameter_state_from_dp_zero = sharded_state_dict
+
+    _DIST_OPT.append(SwanDistributedOptimizer)
+    return SwanDistributedOptimizer
 
 
 @contextlib.contextmanager
