@@ -1,0 +1,336 @@
+"""Real megatron-core (0.16.1) training steps on CPU with gloo: a test-only helper, never part of swan_dist.
+
+Inside a process that :func:`dist_utils.run_distributed` started (gloo already initialised)::
+
+    install_cpu_shims()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    chunks, config = build_gpt(tp, pp, use_distributed_optimizer=True)
+    opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3), chunks)
+    loss = train_step(chunks, opt, dp_share(global_batch(0, 8, 16, 64), dp_rank, dp_size))
+    weights = full_weights(chunks)  # TP=1 layout, same names for every TP / PP layout
+
+megatron-core assumes CUDA. :func:`install_cpu_shims` rebinds ``torch`` in the few megatron modules of
+the training path to a proxy (:data:`CPU_TORCH`) whose tensor factories put ``device="cuda"`` on the
+CPU and whose ``torch.cuda`` answers the handful of calls made there; and it answers ``Tensor.type()``
+with the CUDA type name inside the three megatron functions that check it. ``torch`` itself, swan_dist
+and every other module are left untouched, so a device bug in the library under test still shows.
+Line numbers below are megatron-core 0.16.1's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import types
+
+import torch
+import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
+
+
+# --------------------------------------------------------------------------- shims
+def _cpu_device(device):
+    if device is None or isinstance(device, bool):
+        return device
+    if isinstance(device, int) or (isinstance(device, str) and device.split(":")[0] == "cuda") or (
+            isinstance(device, torch.device) and device.type == "cuda"):
+        return torch.device("cpu")
+    return device
+
+
+def _on_cpu(factory):
+    @functools.wraps(factory)
+    def make(*args, **kwargs):
+        if "device" in kwargs:
+            kwargs["device"] = _cpu_device(kwargs["device"])
+        return factory(*args, **kwargs)
+    return make
+
+
+class _Stream:
+    """torch.cuda.Stream / default_stream stand-in: work on the CPU is already ordered."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, other):
+        pass
+
+    def synchronize(self):
+        pass
+
+
+def _noop(*args, **kwargs):
+    return None
+
+
+class _Proxy(types.ModuleType):
+    """A module whose given names replace the real module's; every other name is the real one."""
+
+    def __init__(self, real, **names):
+        super().__init__(real.__name__)
+        self.__dict__.update(names)
+        self._real = real
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+
+CPU_CUDA = _Proxy(
+    torch.cuda,
+    # a device for ``device=torch.cuda.current_device()``: rotary_pos_embedding.py:162,297;
+    # param_and_grad_buffer.py:783,800,806 (the grad/param buffers); optimizer.py:1141;
+    # distrib_optimizer.py:791,1077; p2p_communication.py:190-202,313,321 (PP shapes and buffers);
+    # utils.py:631 (GlobalMemoryBuffer, the attention scores' buffer, dot_product_attention.py:189)
+    current_device=lambda: torch.device("cpu"),
+    Stream=_Stream,  # distributed_data_parallel.py:230 (overlap_grad_reduce: the communication stream)
+    default_stream=lambda *a, **k: _Stream(),  # param_and_grad_buffer.py:422,529
+    stream=lambda *a, **k: contextlib.nullcontext(),  # param_and_grad_buffer.py:417
+    synchronize=_noop,  # p2p_communication.py:242,398; distributed_data_parallel.py:588,611
+    empty_cache=_noop,  # distributed_data_parallel.py:594; optimizer.py:362
+)
+
+# ``device="cuda"`` in a factory makes a CPU tensor: optimizer.py:473,481,485,907 (found_inf, the
+# overflow buffer, the loss scale); clip_grads.py:90,103,115,174,207 (grad norm, zeros count);
+# schedules.py:596,983,2138 (token count); param_and_grad_buffer.py:768; transformer/utils.py:35 (the
+# causal mask when attention_mask is None, fused_softmax.py:327)
+CPU_TORCH = _Proxy(torch, cuda=CPU_CUDA, **{name: _on_cpu(getattr(torch, name)) for name in (
+    "tensor", "zeros", "ones", "empty", "full", "arange", "zeros_like", "ones_like", "empty_like")})
+
+# megatron modules whose global ``torch`` is CPU_TORCH (each lists its lines above)
+_TORCH_USERS = (
+    "megatron.core.models.common.embeddings.rotary_pos_embedding",
+    "megatron.core.distributed.distributed_data_parallel",
+    "megatron.core.distributed.param_and_grad_buffer",
+    "megatron.core.optimizer.optimizer",
+    "megatron.core.optimizer.distrib_optimizer",
+    "megatron.core.optimizer.clip_grads",
+    "megatron.core.pipeline_parallel.schedules",
+    "megatron.core.pipeline_parallel.p2p_communication",
+    "megatron.core.utils",
+    "megatron.core.transformer.utils",
+)
+
+_CUDA_TYPE = {torch.float32: "torch.cuda.FloatTensor", torch.float16: "torch.cuda.HalfTensor",
+              torch.bfloat16: "torch.cuda.BFloat16Tensor"}
+
+
+class _CudaTypeNames(TorchFunctionMode):
+    """``Tensor.type()`` (no argument) names a CPU fp32/fp16/bf16 tensor by its CUDA type, the only
+    types Megatron's checks accept; every other call is unchanged."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs and args[0].device.type == "cpu":
+            name = _CUDA_TYPE.get(args[0].dtype)
+            if name is not None:
+                return name
+        return func(*args, **kwargs)
+
+
+def _with_cuda_type_names(fn):
+    if getattr(fn, "_cpu_shim", False):
+        return fn
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        with _CudaTypeNames():
+            return fn(*args, **kwargs)
+    run._cpu_shim = True
+    return run
+
+
+def install_cpu_shims() -> None:
+    """The CPU shims for this process (idempotent). See the module docstring and each shim's lines."""
+    for name in _TORCH_USERS:
+        importlib.import_module(name).torch = CPU_TORCH
+    from megatron.core.optimizer import clip_grads, distrib_optimizer, optimizer
+
+    # Tensor.type() checks: optimizer.py:671,690 (Float16OptimizerWithFloat16Params.__init__);
+    # distrib_optimizer.py:361,420 (_build_model_and_main_param_groups, from __init__), 582 (__init__);
+    # clip_grads.py:167 (clip_grad_by_total_norm_fp32, called by that name at optimizer.py:215,1324)
+    for cls in (optimizer.Float16OptimizerWithFloat16Params, distrib_optimizer.DistributedOptimizer):
+        cls.__init__ = _with_cuda_type_names(cls.__init__)
+    optimizer.clip_grad_by_total_norm_fp32 = _with_cuda_type_names(clip_grads.clip_grad_by_total_norm_fp32)
+
+
+# --------------------------------------------------------------------------- model
+def build_gpt(tp: int, pp: int = 1, *, seed: int = 1234, bf16: bool = False, gated: bool = True, heads: int = 4,
+              query_groups: int = 2, hidden: int = 32, ffn: int = 64, layers: int = 2, vocab: int = 64,
+              seq: int = 16, tied: bool = True, use_distributed_optimizer: bool = False,
+              overlap_grad_reduce: bool = False, init_weights: dict | None = None):
+    """A tiny GPTModel (local layer spec: LayerNorm, linear biases; SwiGLU when ``gated``; GQA; RoPE; no dropout; embeddings and
+    output layer tied when ``tied``) wrapped in Megatron DDP (fp32 grad reduction), for the model-parallel
+    state already initialised with this ``tp``/``pp``. Returns ``([chunk], config)``.
+
+    Weights are Megatron's own CPU initialisation (use_cpu_initialization: every rank draws the full
+    TP=1 matrix from the CPU generator seeded with ``seed`` and keeps its slice), so a TP=2 model holds
+    exact slices of the TP=1 model of the same seed. Pipeline stages draw only their own layers, so at
+    ``pp > 1`` the layout differs from PP=1: pass ``init_weights`` (``full_weights`` of a PP=1 model) to
+    load the same weights into any layout (loaded before the optimizer makes its fp32 copies).
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.tensor_parallel.random import initialize_rng_tracker
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.module import Float16Module
+
+    assert ps.get_tensor_model_parallel_world_size() == tp and ps.get_pipeline_model_parallel_world_size() == pp
+    install_cpu_shims()
+    # tensor_parallel/random.py:244-277: tracker.fork() (embedding and attention dropout, both 0 here)
+    # reads the CUDA generator; the inference tracker's fork is a no-op (random.py:321-336)
+    initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    config = TransformerConfig(
+        num_layers=layers, hidden_size=hidden, ffn_hidden_size=ffn, num_attention_heads=heads,
+        num_query_groups=query_groups, kv_channels=hidden // heads, gated_linear_unit=gated,
+        activation_func=torch.nn.functional.silu,
+        hidden_dropout=0.0, attention_dropout=0.0, tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp, pipeline_dtype=dtype, params_dtype=dtype, bf16=bf16,
+        use_cpu_initialization=True, perform_initialization=True, init_method_std=0.02,
+        bias_activation_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
+        bias_dropout_fusion=False, apply_rope_fusion=False, gradient_accumulation_fusion=False,
+        deallocate_pipeline_outputs=False)
+    torch.manual_seed(seed)
+    model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(),
+                     vocab_size=vocab, max_sequence_length=seq, pre_process=ps.is_pipeline_first_stage(),
+                     post_process=ps.is_pipeline_last_stage(), share_embeddings_and_output_weights=tied,
+                     position_embedding_type="rope")
+    if bf16:  # as Megatron-LM's get_model: bf16 parameters, fp32 logits
+        model = Float16Module(config, model)
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=overlap_grad_reduce,
+                                               use_distributed_optimizer=use_distributed_optimizer)
+    model = DistributedDataParallel(config, ddp_config, model)
+    config.finalize_model_grads_func = finalize_model_grads
+    config.no_sync_func = model.no_sync
+    if init_weights is not None:
+        set_full_weights([model], init_weights)
+    return [model], config
+
+
+# --------------------------------------------------------------------------- data and steps
+def global_batch(step: int, global_batch_size: int, seq: int, vocab: int, seed: int = 0) -> dict:
+    """Random tokens for ``step`` (the same on every rank): next-token labels, causal mask (None)."""
+    g = torch.Generator().manual_seed(seed * 100_003 + step)
+    x = torch.randint(0, vocab, (global_batch_size, seq + 1), generator=g)
+    return dict(tokens=x[:, :-1].contiguous(), labels=x[:, 1:].contiguous(),
+                position_ids=torch.arange(seq).expand(global_batch_size, seq).contiguous(), attention_mask=None)
+
+
+def dp_share(batch: dict, dp_rank: int, dp_size: int) -> dict:
+    """Data-parallel rank ``dp_rank``'s contiguous block of the global batch's rows."""
+    return {k: None if v is None else v.chunk(dp_size)[dp_rank] for k, v in batch.items()}
+
+
+def train_step(model_chunks, optimizer, batch: dict, num_microbatches: int = 1) -> float:
+    """One Megatron iteration on this DP rank's ``batch``: zero the grad buffers, forward/backward
+    through ``get_forward_backward_func()`` (the loss is the mean token loss of each microbatch; the
+    schedule averages microbatches, DDP averages DP ranks), ``optimizer.step()``. Returns the loss
+    averaged over the DP ranks, on every rank (broadcast from the last pipeline stage)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.utils import get_model_config
+
+    config = get_model_config(model_chunks[0])
+    config.grad_scale_func = optimizer.scale_loss
+    for chunk in model_chunks:
+        chunk.zero_grad_buffer()
+    optimizer.zero_grad()
+    rows, seq = batch["tokens"].shape
+    micro = rows // num_microbatches
+    assert micro * num_microbatches == rows, (rows, num_microbatches)
+    data = iter([{k: None if v is None else v[i * micro:(i + 1) * micro] for k, v in batch.items()}
+                 for i in range(num_microbatches)])
+
+    def forward_step(data_iterator, model):
+        mb = next(data_iterator)
+        out = model(mb["tokens"], mb["position_ids"], mb["attention_mask"], labels=mb["labels"])
+
+        def loss_func(per_token):
+            loss = per_token.float().mean()
+            return loss, {"loss": loss.detach()}
+        return out, loss_func
+
+    losses = get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=data, model=model_chunks, num_microbatches=num_microbatches,
+        seq_length=seq, micro_batch_size=micro, forward_only=False)
+    success, _grad_norm, _zeros = optimizer.step()
+    assert success, "optimizer step skipped (inf/nan gradients)"
+    loss = torch.tensor(sum(float(d["loss"]) for d in losses) / num_microbatches if losses else 0.0)
+    if ps.get_pipeline_model_parallel_world_size() > 1:
+        dist.broadcast(loss, ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group())
+    dist.all_reduce(loss, group=ps.get_data_parallel_group())
+    return float(loss) / ps.get_data_parallel_world_size()
+
+
+# --------------------------------------------------------------------------- weights
+def _named_params(model_chunks):
+    """(global name, param) of this stage: wrapper prefixes stripped, layer indices made global."""
+    for chunk in model_chunks:
+        gpt = chunk
+        while hasattr(gpt, "module"):  # DDP, Float16Module
+            gpt = gpt.module
+        offset = gpt.decoder.layers[0].layer_number - 1 if len(gpt.decoder.layers) else 0
+        for name, p in gpt.named_parameters():
+            parts = name.split(".")
+            if parts[:2] == ["decoder", "layers"]:
+                parts[2] = str(int(parts[2]) + offset)
+            yield ".".join(parts), p
+
+
+def _is_tied_copy(name, p) -> bool:
+    """The last stage's copy of a tied embedding (language_module.py:214-224); PP=1 has no such param."""
+    return name == "output_layer.weight" and getattr(p, "shared_embedding", False)
+
+
+def _tp_layout(p):
+    if not getattr(p, "tensor_model_parallel", False):
+        return None
+    return p.partition_dim, getattr(p, "partition_stride", 1)
+
+
+def full_weights(model_chunks) -> dict[str, torch.Tensor]:
+    """name -> full fp32 weight in the TP=1 layout, the same names for every TP/PP layout, on every rank.
+
+    TP shards are gathered along ``partition_dim``; a strided shard (SwiGLU ``linear_fc1``, stride 2:
+    rank r holds [gate_r; up_r], mlp.py:107-133) is reassembled as [gate; up]. Pipeline stages are
+    gathered over the pipeline group, layer names renumbered globally; the last stage's copy of a tied
+    embedding is left out (its values equal the embedding's after every step)."""
+    from megatron.core import parallel_state as ps
+
+    tp_group, tp = ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_world_size()
+    out = {}
+    for name, p in _named_params(model_chunks):
+        if _is_tied_copy(name, p):
+            continue
+        local = p.detach().float().clone()  # a copy even when p is already fp32
+        layout = _tp_layout(p)
+        if layout is not None and tp > 1:
+            dim, stride = layout
+            shards = [torch.empty_like(local) for _ in range(tp)]
+            dist.all_gather(shards, local, group=tp_group)
+            local = torch.cat([s.chunk(stride, dim)[j] for j in range(stride) for s in shards], dim)
+        out[name] = local
+    if ps.get_pipeline_model_parallel_world_size() > 1:
+        stages = [None] * ps.get_pipeline_model_parallel_world_size()
+        dist.all_gather_object(stages, out, group=ps.get_pipeline_model_parallel_group())
+        out = {k: v for stage in stages for k, v in stage.items()}
+    return out
+
+
+def set_full_weights(model_chunks, weights: dict[str, torch.Tensor]) -> None:
+    """Load ``full_weights``-style TP=1 tensors into this rank's slices (the inverse of ``full_weights``)."""
+    from megatron.core import parallel_state as ps
+
+    r, tp = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+    with torch.no_grad():
+        for name, p in _named_params(model_chunks):
+            full = weights["embedding.word_embeddings.weight" if _is_tied_copy(name, p) else name]
+            layout = _tp_layout(p)
+            if layout is not None and tp > 1:
+                dim, stride = layout
+                full = torch.cat([c.chunk(tp, dim)[r] for c in full.chunk(stride, dim)], dim)
+            p.copy_(full)
