@@ -207,29 +207,154 @@ def _build_with(factory):
 
 
 _DIST_OPT: list = []
-DIST_OPT_CHECKPOINT = (
-    "swan_dist: optimizer checkpoints of SWAN under Megatron's distributed optimizer are not supported yet (Megatron "
-    "0.16 stores Adam moments for every parameter there). Train without --use-distributed-optimizer to save optimizer "
-    "state (SWAN keeps none for its matrices: the state is the fallback's alone), or pass --no-save-optim and "
-    "--no-load-optim")
+LEGACY_DIST_OPT_CHECKPOINT = (
+    "swan_dist: Megatron's legacy checkpoint format (--ckpt-format torch: distrib_optim.pt, Adam moments gathered on "
+    "DP rank 0) is not supported for SWAN under the distributed optimizer; use --ckpt-format torch_dist (the default), "
+    "whose optimizer state swan_dist writes itself")
+CKPT_NAME = "_swan_ckpt_name"  # on a model param: its name with wrappers dropped and global layer numbers
+
+
+def _global_names(chunks) -> dict[Tensor, str]:
+    """Each parameter's name without wrapper prefixes (DDP, Float16Module) and with transformer-layer
+    indices made global (Megatron's 1-based ``layer_number``): the same name on every pipeline layout."""
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    out = {}
+    for chunk in chunks:
+        module = chunk
+        while hasattr(module, "module"):
+            module = module.module
+        layers = {n: m.layer_number - 1 for n, m in module.named_modules()
+                  if isinstance(m, TransformerLayer) and n.rsplit(".", 1)[-1].isdigit()}
+        for name, p in module.named_parameters():
+            parts = name.split(".")
+            for i in range(len(parts) - 1, 0, -1):
+                if ".".join(parts[:i]) in layers:
+                    parts[i - 1] = str(layers[".".join(parts[:i])])
+                    break
+            out[p] = ".".join(parts)
+    return out
 
 
 def _distributed_optimizer_class():
-    """Megatron's ``DistributedOptimizer`` for SWAN (built once, lazily)."""
+    """Megatron's ``DistributedOptimizer`` for SWAN (built once, lazily), with a checkpoint format of
+    its own (see :class:`SwanDistributedOptimizer`)."""
     if _DIST_OPT:
         return _DIST_OPT[0]
+    from megatron.core import parallel_state as ps
+    from megatron.core.dist_checkpointing import ShardedTensor
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     class SwanDistributedOptimizer(DistributedOptimizer):
-        """The distributed optimizer around SWAN. Megatron 0.16's checkpoint formats for it are Adam's:
-        every bucket-space format stores ``exp_avg``/``exp_avg_sq`` over whole buckets (SWAN matrices
-        have none) and the model-space one is refused by its own ``dist_checkpointing``. Until swan_dist
-        has a format of its own, saving or loading optimizer state here is refused with what to do."""
+        """The distributed optimizer around SWAN.
 
-        def sharded_state_dict(self, *args, **kwargs):
-            raise ValueError(DIST_OPT_CHECKPOINT)
+        Megatron 0.16's formats for it are Adam's (``exp_avg``/``exp_avg_sq`` over whole buckets, or
+        gathered on DP rank 0), so this class writes its own through ``dist_checkpointing`` whatever
+        ``distrib_optim_sharding_type`` asks for:
 
-        get_parameter_state_dp_zero = load_parameter_state_from_dp_zero = sharded_state_dict
+        - common (per model-parallel rank, as Megatron's): param groups' options, loss scaler, the
+          TP/PP sizes;
+        - per parameter, under its global name: this DP rank's contiguous range of the parameter as a
+          1-D chunk of its full flattened tensor (TP blocks in TP-rank order), for the fp32 main copy
+          of a bf16/fp16 parameter and the AdamW fallback's ``exp_avg``/``exp_avg_sq`` (SWAN matrices
+          have none: nothing is written or allocated for them), and the fallback's step count.
+
+        The chunks do not depend on the DP size, so a checkpoint reloads at another DP size; another
+        TP or PP size is refused with what was saved.
+        """
+
+        def state_dict(self):
+            groups = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+            sd = {"optimizer": {"param_groups": groups}, "swan_layout": _mp_layout()}
+            if self.grad_scaler:
+                sd["grad_scaler"] = self.grad_scaler.state_dict()
+            return sd
+
+        def load_state_dict(self, state_dict):
+            saved = state_dict.get("swan_layout")
+            if saved is not None and tuple(saved) != _mp_layout():
+                raise ValueError(f"swan_dist: this distributed-optimizer checkpoint was saved at (TP, PP) = "
+                                 f"{tuple(saved)} and is loaded at {_mp_layout()}; SWAN's distributed-optimizer "
+                                 "state reloads at another data-parallel size only")
+            keys = (*param_group_identifier_keys(), "use_swan")
+
+            def ident(g):
+                return tuple(g.get(k, g.get(f"pre_{k}")) for k in keys)
+
+            by_ident = {ident(g): g for g in state_dict["optimizer"]["param_groups"]}
+            for g in self.optimizer.param_groups:
+                src = by_ident.get(ident(g))
+                if src is None:
+                    raise ValueError(f"swan_dist: the checkpoint has no param group with {dict(zip(keys, ident(g)))}")
+                g.update({k: v for k, v in src.items() if k not in ("params", "param_names")})
+            self.optimizer.init_state()
+            if self.grad_scaler and "grad_scaler" in state_dict:
+                self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
+            loaded = state_dict.get("param_state")
+            if loaded is None:
+                return
+            with torch.no_grad():
+                for name, main, tensors, _, _ in self._swan_param_entries():
+                    if not tensors:
+                        continue
+                    for k, t in tensors.items():
+                        t.copy_(loaded[name][k].view(-1))
+                    st = self.optimizer.state.get(main)
+                    if st and "step" in loaded[name]:
+                        st["step"].fill_(float(loaded[name]["step"]))
+
+        def sharded_state_dict(self, model_sharded_state_dict=None, is_loading=False, sharding_type=None,
+                               metadata=None, **_):
+            self.optimizer.init_state()  # fallback moments exist before a first step too: the same keys always
+            dp_rank, inst = self.data_parallel_group.rank(), self.distributed_optimizer_instance_id
+            sd = {k: ShardedObject(f"optimizer.distributed.dp_group_idx_{self.data_parallel_group_idx}.{k}", v,
+                                   (1,), (0,), replica_id=(inst, 0, dp_rank)) for k, v in self.state_dict().items()}
+            param_state = {}
+            for name, main, tensors, (size, offset, tp_replica), writer in self._swan_param_entries():
+                entry = {k: ShardedTensor(f"optimizer.swan.{k}.{name}", t, t.dtype, tuple(t.shape), (size,), (offset,),
+                                          axis_fragmentations=None, replica_id=(0, tp_replica, inst))
+                         for k, t in tensors.items()}
+                st = self.optimizer.state.get(main)
+                if st and "step" in st:  # one writer: the DP rank holding the parameter's first element
+                    entry["step"] = ShardedObject(f"optimizer.swan.step.{name}", st["step"], (1,), (0,),
+                                                  replica_id=(0, tp_replica, inst, 0 if writer else 1))
+                if entry:  # nothing at all for a SWAN matrix of an fp32 model
+                    param_state[name] = entry
+            sd["param_state"] = param_state
+            return sd
+
+        def _swan_param_entries(self):
+            """Per model parameter this rank holds a range of: (global name, fp32 shard, {state key: flat
+            tensor}, (full numel, offset of the range in it, TP replica index), holds element 0)."""
+            pairs = [(self.model_float16_groups, self.shard_fp32_from_float16_groups),
+                     (self.model_fp32_groups, self.shard_fp32_groups)]
+            for model_groups, shard_groups in pairs:
+                for model_group, shard_group in zip(model_groups, shard_groups):
+                    for p, main in zip(model_group, shard_group):
+                        _, start, _ = getattr(p, SHARD)
+                        if _dim(p) is not None:
+                            tp_rank, tp = _tp(p)
+                            where = (tp * p.numel(), tp_rank * p.numel() + start, 0)
+                        else:
+                            where = (p.numel(), start, ps.get_tensor_model_parallel_rank())
+                        tensors = {"fp32_param": main.view(-1)} if p.dtype != torch.float32 else {}
+                        st = self.optimizer.state.get(main) or {}
+                        tensors.update({k: st[k].view(-1) for k in ("exp_avg", "exp_avg_sq") if k in st})
+                        yield getattr(p, CKPT_NAME), main, tensors, where, start == 0
+
+        def get_parameter_state_dp_zero(self, *args, **kwargs):
+            raise ValueError(LEGACY_DIST_OPT_CHECKPOINT)
+
+        load_parameter_state_from_dp_zero = save_parameter_state = load_parameter_state = get_parameter_state_dp_zero
+
+    def param_group_identifier_keys():
+        import megatron.core.optimizer.optimizer as oo
+
+        return tuple(k for k in oo.param_group_identifier_keys if k != "use_swan")
+
+    def _mp_layout():
+        return ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
 
     _DIST_OPT.append(SwanDistributedOptimizer)
     return SwanDistributedOptimizer
@@ -311,6 +436,8 @@ def get_swan_optimizer(config, model_chunks, config_overrides=None, use_gloo_pro
     with _build_with(factory):
         optimizer = get_megatron_optimizer(dataclasses.replace(config, optimizer="adam"), chunks, config_overrides,
                                            use_gloo_process_groups, pg_collection, dump_param_to_param_group_map)
+    for p, name in _global_names(chunks).items():
+        setattr(p, CKPT_NAME, name)
     for wrapper in _wrappers(optimizer):
         if getattr(wrapper, "optimizer", None) is None:
             continue

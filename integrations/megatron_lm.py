@@ -59,10 +59,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def optimizer_config(args, base):
     """Megatron's Adam config built from ``args`` (SWAN takes lr, weight decay, the fallback's betas
     and eps from it), marked ``optimizer='swan'`` and carrying the ``--swan-*`` values."""
-    from swan_dist.integrations.megatron import DIST_OPT_CHECKPOINT
+    from swan_dist.integrations.megatron import LEGACY_DIST_OPT_CHECKPOINT
 
-    if args.use_distributed_optimizer and ((args.save and not args.no_save_optim) or (args.load and not args.no_load_optim)):
-        raise ValueError(DIST_OPT_CHECKPOINT)  # at start-up, not at the first save hours later
+    optim_io = (args.save and not args.no_save_optim) or (args.load and not args.no_load_optim)
+    if args.use_distributed_optimizer and optim_io and getattr(args, "ckpt_format", "torch_dist") == "torch":
+        raise ValueError(LEGACY_DIST_OPT_CHECKPOINT)  # at start-up, not at the first save hours later
     saved = args.optimizer
     args.optimizer = "adam"
     try:

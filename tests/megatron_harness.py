@@ -8,11 +8,13 @@ Inside a process that :func:`dist_utils.run_distributed` started (gloo already i
     opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3), chunks)
     loss = train_step(chunks, opt, dp_share(global_batch(0, 8, 16, 64), dp_rank, dp_size))
     weights = full_weights(chunks)  # TP=1 layout, same names for every TP / PP layout
+    mains = full_weights(chunks, opt)  # the optimizer's fp32 main params (bf16 runs), same layout
 
 megatron-core assumes CUDA. :func:`install_cpu_shims` rebinds ``torch`` in the few megatron modules of
 the training path to a proxy (:data:`CPU_TORCH`) whose tensor factories put ``device="cuda"`` on the
-CPU and whose ``torch.cuda`` answers the handful of calls made there; and it answers ``Tensor.type()``
-with the CUDA type name inside the three megatron functions that check it. ``torch`` itself, swan_dist
+CPU and whose ``torch.cuda`` answers the handful of calls made there; and inside the four megatron
+functions that need it, it answers ``Tensor.type()`` with the CUDA type name and lets ``Tensor.cuda()``
+leave a CPU tensor where it is. ``torch`` itself, swan_dist
 and every other module are left untouched, so a device bug in the library under test still shows.
 Line numbers below are megatron-core 0.16.1's.
 """
@@ -110,6 +112,8 @@ _TORCH_USERS = (
     "megatron.core.pipeline_parallel.p2p_communication",
     "megatron.core.utils",
     "megatron.core.transformer.utils",
+    "megatron.core.dist_checkpointing.strategies.filesystem_async",  # 230: synchronize before a torch_dist save
+    "megatron.core.dist_checkpointing.strategies.state_dict_saver",  # 251-252: a tensor on current_device()
 )
 
 _CUDA_TYPE = {torch.float32: "torch.cuda.FloatTensor", torch.float16: "torch.cuda.HalfTensor",
@@ -118,10 +122,13 @@ _CUDA_TYPE = {torch.float32: "torch.cuda.FloatTensor", torch.float16: "torch.cud
 
 class _CudaTypeNames(TorchFunctionMode):
     """``Tensor.type()`` (no argument) names a CPU fp32/fp16/bf16 tensor by its CUDA type, the only
-    types Megatron's checks accept; every other call is unchanged."""
+    types Megatron's checks accept; ``Tensor.cuda()`` (no argument) leaves a CPU tensor where it is;
+    every other call is unchanged."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is torch.Tensor.cuda and len(args) == 1 and not kwargs and args[0].device.type == "cpu":
+            return args[0]
         if func is torch.Tensor.type and len(args) == 1 and not kwargs and args[0].device.type == "cpu":
             name = _CUDA_TYPE.get(args[0].dtype)
             if name is not None:
@@ -145,6 +152,7 @@ def install_cpu_shims() -> None:
     """The CPU shims for this process (idempotent). See the module docstring and each shim's lines."""
     for name in _TORCH_USERS:
         importlib.import_module(name).torch = CPU_TORCH
+    from megatron.core.models.common.language_module.language_module import LanguageModule
     from megatron.core.optimizer import clip_grads, distrib_optimizer, optimizer
 
     # Tensor.type() checks: optimizer.py:671,690 (Float16OptimizerWithFloat16Params.__init__);
@@ -153,6 +161,10 @@ def install_cpu_shims() -> None:
     for cls in (optimizer.Float16OptimizerWithFloat16Params, distrib_optimizer.DistributedOptimizer):
         cls.__init__ = _with_cuda_type_names(cls.__init__)
     optimizer.clip_grad_by_total_norm_fp32 = _with_cuda_type_names(clip_grads.clip_grad_by_total_norm_fp32)
+    # Tensor.cuda(): language_module.py:244 (PP > 1 with tied embeddings: the embedding-group all-reduce
+    # that makes the last stage's output_layer copy equal the first stage's embedding)
+    LanguageModule.setup_embeddings_and_output_layer = _with_cuda_type_names(
+        LanguageModule.setup_embeddings_and_output_layer)
 
 
 # --------------------------------------------------------------------------- model
@@ -251,7 +263,8 @@ def train_step(model_chunks, optimizer, batch: dict, num_microbatches: int = 1) 
 
         def loss_func(per_token):
             loss = per_token.float().mean()
-            return loss, {"loss": loss.detach()}
+            # a copy: the schedule divides the returned loss by num_microbatches in place (schedules.py:269)
+            return loss, {"loss": loss.detach().clone()}
         return out, loss_func
 
     losses = get_forward_backward_func()(
@@ -292,21 +305,33 @@ def _tp_layout(p):
     return p.partition_dim, getattr(p, "partition_stride", 1)
 
 
-def full_weights(model_chunks) -> dict[str, torch.Tensor]:
+def full_weights(model_chunks, optimizer=None) -> dict[str, torch.Tensor]:
     """name -> full fp32 weight in the TP=1 layout, the same names for every TP/PP layout, on every rank.
 
     TP shards are gathered along ``partition_dim``; a strided shard (SwiGLU ``linear_fc1``, stride 2:
     rank r holds [gate_r; up_r], mlp.py:107-133) is reassembled as [gate; up]. Pipeline stages are
     gathered over the pipeline group, layer names renumbered globally; the last stage's copy of a tied
-    embedding is left out (its values equal the embedding's after every step)."""
+    embedding is left out (its values equal the embedding's after every step: see :func:`tied_copy`).
+
+    With ``optimizer`` (Megatron's, as built for these chunks) the values are the optimizer's fp32 main
+    params instead of the model's (which are their bf16 roundings in a bf16 run): a
+    ``Float16OptimizerWithFloat16Params``'s fp32 copies, or a ``DistributedOptimizer``'s fp32 shards
+    gathered over the data-parallel group. A collective: every rank of the model calls it."""
     from megatron.core import parallel_state as ps
 
+    mains, sharded = _main_params(optimizer) if optimizer is not None else ({}, False)
+    dp_group = ps.get_data_parallel_group(with_context_parallel=True)
     tp_group, tp = ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_world_size()
     out = {}
     for name, p in _named_params(model_chunks):
         if _is_tied_copy(name, p):
             continue
-        local = p.detach().float().clone()  # a copy even when p is already fp32
+        if sharded:  # this rank's range of p's flattened TP block (zeros elsewhere), summed over DP
+            local = mains.get(id(p), torch.zeros(p.numel()))
+            dist.all_reduce(local, group=dp_group)
+            local = local.view(p.shape)
+        else:
+            local = mains.get(id(p), p).detach().float().clone()  # a copy even when already fp32
         layout = _tp_layout(p)
         if layout is not None and tp > 1:
             dim, stride = layout
@@ -319,6 +344,45 @@ def full_weights(model_chunks) -> dict[str, torch.Tensor]:
         dist.all_gather_object(stages, out, group=ps.get_pipeline_model_parallel_group())
         out = {k: v for stage in stages for k, v in stage.items()}
     return out
+
+
+def _main_params(optimizer) -> tuple[dict[int, torch.Tensor], bool]:
+    """id(model param) -> its fp32 main param (flattened and zero outside this rank's range under the
+    distributed optimizer), and whether the optimizer is the distributed one."""
+    from megatron.core.optimizer import DistributedOptimizer, Float16OptimizerWithFloat16Params
+
+    mains, sharded = {}, False
+    for wrapper in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if isinstance(wrapper, DistributedOptimizer):
+            sharded = True
+            for model_groups, shard_groups in ((wrapper.model_float16_groups, wrapper.shard_fp32_from_float16_groups),
+                                               (wrapper.model_fp32_groups, wrapper.shard_fp32_groups)):
+                for model_group, shard_group in zip(model_groups, shard_groups):
+                    for p, shard in zip(model_group, shard_group):
+                        r = wrapper._get_model_param_range_map(p)["param"]
+                        flat = torch.zeros(p.numel())
+                        flat[r.start:r.end] = shard.detach().float().view(-1)
+                        mains[id(p)] = flat
+        elif isinstance(wrapper, Float16OptimizerWithFloat16Params):
+            for model_group, main_group in zip(wrapper.float16_groups, wrapper.fp32_from_float16_groups):
+                mains.update({id(p): main for p, main in zip(model_group, main_group)})
+    return mains, sharded
+
+
+def tied_copy(model_chunks) -> torch.Tensor | None:
+    """The last pipeline stage's copy of a tied embedding (``output_layer.weight``), TP-gathered; None
+    on other stages or without one. A collective over the TP group where the copy exists."""
+    from megatron.core import parallel_state as ps
+
+    for name, p in _named_params(model_chunks):
+        if _is_tied_copy(name, p):
+            local = p.detach().float().clone()
+            if ps.get_tensor_model_parallel_world_size() > 1:
+                shards = [torch.empty_like(local) for _ in range(ps.get_tensor_model_parallel_world_size())]
+                dist.all_gather(shards, local, group=ps.get_tensor_model_parallel_group())
+                local = torch.cat(shards, p.partition_dim)
+            return local
+    return None
 
 
 def set_full_weights(model_chunks, weights: dict[str, torch.Tensor]) -> None:

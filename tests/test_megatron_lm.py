@@ -31,8 +31,8 @@ TINY = """--optimizer swan --distributed-backend gloo --transformer-impl local -
 --seed 1234""".split()
 
 
-def _run(*extra: str, ok: bool = True) -> str:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_free_port()),
+def _run(*extra: str, ok: bool = True, nproc: int = 2) -> str:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", str(_free_port()),
            os.path.join(HERE, "megatron_lm_cpu.py"), os.path.join(CHECKOUT, "pretrain_gpt.py"), *TINY, *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_DEVICE_MAX_CONNECTIONS": "1"}
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
@@ -45,10 +45,20 @@ def _losses(out: str) -> dict[int, float]:
     return {int(i): float(loss) for i, loss in re.findall(r"iteration\s+(\d+)/\s*\d+ .*?lm loss: ([0-9.E+-]+)", out)}
 
 
+def _resumed(out: str) -> dict[int, float]:
+    """Per-iteration losses of a run resumed at iteration 2. Megatron-LM's first log after a resume
+    (iteration 3) shows that iteration's loss; the next one (iteration 4) the mean of iterations 3 and 4
+    (its sums restart at the resume, its count does not), so iteration 4's own loss is 2 * logged - L3."""
+    logged = _losses(out)
+    assert sorted(logged) == [3, 4], logged
+    return {3: logged[3], 4: 2 * logged[4] - logged[3]}
+
+
 def test_pretrain_gpt_with_optimizer_swan(tmp_path):
     """TP=2, DP=2 with the distributed optimizer and DP=2 DDP train alike (the same loss at every
-    iteration: the same initial weights, data and SWAN update whatever the layout); a torch_dist
-    checkpoint saved at iteration 2 resumes to the uninterrupted run's iteration 3 and 4."""
+    iteration: the same initial weights, data and SWAN update whatever the layout); torch_dist
+    checkpoints saved at iteration 2 resume to the uninterrupted run's iterations 3 and 4: TP=2
+    without the distributed optimizer, and DP=2 with it, resumed at DP=2 and at DP=1."""
     tp = _run("--tensor-model-parallel-size", "2", "--train-iters", "4")
     assert "matrices whitened by SWAN" in tp and "whitened as Q, K, V" in tp and "whitened as gate, up" in tp
     assert "embedding.word_embeddings.weight" in tp or "word_embeddings" in tp
@@ -60,8 +70,18 @@ def test_pretrain_gpt_with_optimizer_swan(tmp_path):
     first = _losses(_run("--tensor-model-parallel-size", "2", "--train-iters", "4", "--save", ckpt,
                          "--save-interval", "2", "--exit-interval", "2", "--ckpt-format", "torch_dist"))
     assert first == {1: ref[1], 2: ref[2]}
-    resumed = _losses(_run("--tensor-model-parallel-size", "2", "--train-iters", "4", "--load", ckpt,
-                           "--ckpt-format", "torch_dist"))
-    assert abs(resumed[3] - ref[3]) < 1e-6  # the iteration after a resume logs its own loss (Megatron resets its sums)
-    refused = _run("--use-distributed-optimizer", "--train-iters", "2", "--save", ckpt, "--save-interval", "2", ok=False)
-    assert "not supported yet" in refused and "--no-save-optim" in refused, refused[-3000:]
+    resumed = _resumed(_run("--tensor-model-parallel-size", "2", "--train-iters", "4", "--load", ckpt,
+                            "--ckpt-format", "torch_dist"))
+    # iteration 3 checks the weights loaded, iteration 4 the optimizer state too (AdamW fallback moments)
+    assert all(abs(resumed[i] - ref[i]) < 3e-6 for i in (3, 4)), (resumed, ref)
+    # the distributed optimizer: swan_dist's own torch_dist format, reloaded at DP=2 and at DP=1
+    dckpt = str(tmp_path / "dckpt")
+    distopt = ("--use-distributed-optimizer", "--train-iters", "4", "--ckpt-format", "torch_dist")
+    first = _losses(_run(*distopt, "--save", dckpt, "--save-interval", "2", "--exit-interval", "2"))
+    assert all(abs(first[i] - dp[i]) < 1e-6 for i in (1, 2)), (first, dp)
+    for nproc in (2, 1):
+        resumed = _resumed(_run(*distopt, "--load", dckpt, nproc=nproc))
+        assert all(abs(resumed[i] - dp[i]) < 1e-5 for i in (3, 4)), (nproc, resumed, dp)
+    refused = _run("--use-distributed-optimizer", "--train-iters", "2", "--save", ckpt, "--save-interval", "2",
+                   "--ckpt-format", "torch", ok=False)
+    assert "--ckpt-format torch_dist" in refused, refused[-3000:]
