@@ -228,3 +228,37 @@ def test_summary_names_megatron_parameters_and_splits():
         assert rows[name] == ("fallback:adamw", "[64, 32]", "embedding or output head (name)"), name
     assert all(rule == "SWAN" or "bias/norm" in why or "embedding" in why for rule, _, why in rows.values())
     assert sum(rule == "SWAN" for rule, _, _ in rows.values()) == 4
+
+
+REFUSED = {"optimizer_cpu_offload": "--optimizer-cpu-offload",
+           "use_precision_aware_optimizer": "--use-precision-aware-optimizer"}
+
+
+def _refusal_worker(rank, world):
+    from megatron.core import parallel_state as ps
+    from megatron.core.optimizer import OptimizerConfig
+
+    import megatron_harness as H
+    from swan_dist.integrations.megatron import get_swan_optimizer
+
+    H.install_cpu_shims()
+    ps.initialize_model_parallel()
+    try:
+        chunks, _ = H.build_gpt(1, use_distributed_optimizer=True)
+        errors = {}
+        for field in REFUSED:
+            config = OptimizerConfig(lr=LR, use_distributed_optimizer=True)
+            setattr(config, field, True)  # (after __post_init__, which wants Transformer Engine for the second)
+            try:
+                get_swan_optimizer(config, chunks)
+            except ValueError as e:
+                errors[field] = str(e)
+        return errors
+    finally:
+        ps.destroy_model_parallel()
+
+
+def test_configurations_swan_cannot_serve_are_refused_on_every_rank():
+    for errors in run_distributed(_refusal_worker, 2, timeout=120):
+        assert errors.keys() == REFUSED.keys(), errors
+        assert all(field in errors[field] and flag in errors[field] for field, flag in REFUSED.items()), errors
