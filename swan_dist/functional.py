@@ -82,20 +82,52 @@ def _max_abs(x: Tensor, dim) -> Tensor:
     return x.abs().amax(dim=dim, keepdim=True)  # ~6x faster than vector_norm(ord=inf) on CPU
 
 
+def _norm(x: Tensor, dim) -> Tensor:
+    """2-norm over ``dim`` with no under/overflow for any fp32/bf16 input, non-finite exactly where
+    ``x`` has a NaN/Inf. On an accelerator: accumulated in fp64, one pass, no host sync. On the CPU,
+    where fp64 reductions are several times slower and a host sync costs nothing: in the input's
+    precision, redone in fp64 only when some norm is zero, tiny or infinite (entries beyond ~1e±18)."""
+    if x.device.type != "cpu":
+        return torch.linalg.vector_norm(x, dim=dim, keepdim=True, dtype=torch.float64)
+    n = torch.linalg.vector_norm(x, dim=dim, keepdim=True)
+    if bool(((n < 1e-18) | ~torch.isfinite(n)).any()):
+        return torch.linalg.vector_norm(x, dim=dim, keepdim=True, dtype=torch.float64)
+    return n
+
+
+def _scale_by(x: Tensor, factor: Tensor, dtype: torch.dtype) -> Tensor:
+    """``x * factor`` written as ``dtype`` in one pass (the cast fused into the multiply)."""
+    factor = factor.to(torch.promote_types(x.dtype, torch.float32))
+    if dtype == torch.promote_types(x.dtype, factor.dtype):
+        return x * factor
+    out = torch.empty(x.shape, dtype=dtype, device=x.device)
+    return torch.mul(x, factor, out=out)
+
+
+def _grad_norm(g: Tensor, mode: str, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """GradNorm written as ``dtype``, and the per-matrix finite flag ``(..., 1, 1)``: one reduction
+    and one multiply over ``g`` (the column norms also tell whether ``g`` is finite)."""
+    if mode == "mean":
+        g = g.to(torch.promote_types(g.dtype, torch.float32))
+        g = g - g.mean(dim=-2, keepdim=True)
+    if mode == "none":
+        finite = torch.isfinite(g.abs().amax(dim=(-2, -1), keepdim=True))
+        return g.to(dtype), finite
+    norms = _norm(g, -2)  # (..., 1, in)
+    finite = torch.isfinite(norms).all(dim=-1, keepdim=True)
+    return _scale_by(g, _recip(norms) * math.sqrt(g.shape[-2]), dtype), finite
+
+
 def grad_norm(g: Tensor, mode: str = "rms") -> Tensor:
     """GradNorm (paper eq. 1) in torch layout: each column (input index) of ``(..., out, in)``
     divided by its RMS over the output dim (-2); ``mode='mean'`` subtracts the column mean first.
 
-    A column that is all zero stays zero. The RMS is taken of the max-abs-scaled column, so tiny
-    (1e-30) and huge (1e30) gradients give the same result as moderate ones.
+    A column that is all zero stays zero. The column norms are accumulated in fp64, so tiny (1e-30)
+    and huge (1e30) gradients give the same result as moderate ones.
     """
     if mode == "none" or g.numel() == 0:
         return g
-    if mode == "mean":
-        g = g - g.mean(dim=-2, keepdim=True)
-    g = g * _recip(_max_abs(g, -2))  # entries now in [-1, 1]: no under/overflow below
-    rms = torch.linalg.vector_norm(g, dim=-2, keepdim=True) / math.sqrt(g.shape[-2])
-    return g * _recip(rms)
+    return _grad_norm(g, mode, g.dtype)[0]
 
 
 def whiten(g: Tensor, method: str = "nsds", steps: int = 2, beta: float = 0.4, prescale: bool = True) -> Tensor:
@@ -114,9 +146,12 @@ def whiten(g: Tensor, method: str = "nsds", steps: int = 2, beta: float = 0.4, p
     than at one; the rescale that follows removes the overall scale. The result has the input's
     dtype; compute in the dtype you pass.
 
-    The Frobenius normalisation is folded into the small matrices (``‖X‖²`` is the Gram's trace), so
-    it costs no pass over X. With ``prescale`` the input is first divided by its max-abs so that the
-    Gram cannot under/overflow; GradNorm's output (entries bounded by sqrt(rows)) does not need it.
+    Only the products the result needs are computed: with Z₀ = I the first NS step is ``T = 3I − Y``,
+    ``Z = βT`` (one product, ``Y T``), and the last step's Y is never used, so K NS steps take 3K − 3
+    s×s products (K = 1: none) besides the Gram and ``Z X``. The Frobenius normalisation is folded
+    into the small matrices (``‖X‖²`` is the Gram's trace), so it costs no pass over X. With
+    ``prescale`` the input is first divided by its max-abs so that the Gram cannot under/overflow;
+    GradNorm's output (entries bounded by sqrt(rows)) does not need it.
     """
     if method == "none" or g.numel() == 0:
         return g
@@ -127,33 +162,58 @@ def whiten(g: Tensor, method: str = "nsds", steps: int = 2, beta: float = 0.4, p
     if prescale:
         x = x * _recip(_max_abs(x, (-2, -1)))
     m = x.shape[-2]
-    eye = torch.eye(m, dtype=x.dtype, device=x.device)
-    y = x @ x.mT
-    inv_fro2 = _recip(y.diagonal(dim1=-2, dim2=-1).sum(-1, keepdim=True).unsqueeze(-1))
-    y = y * inv_fro2  # the Gram of X / ‖X‖_F
-    z = eye.expand_as(y)
-    for _ in range(steps):
-        if method == "ns":
-            t = 3.0 * eye - z @ y
-            y, z = beta * (y @ t), beta * (t @ z)
-        else:
-            dy = y.diagonal(dim1=-2, dim2=-1)
-            dz = z.diagonal(dim1=-2, dim2=-1)
-            y, z = (
-                beta * y * (3.0 - dz * dy).unsqueeze(-2),
-                beta * (3.0 * eye - dz.unsqueeze(-1) * y) * dz.unsqueeze(-2),
-            )
-    out = (z * inv_fro2.sqrt()) @ x  # Z (X / ‖X‖_F), the scale applied to the small matrix
+    gram = x @ x.mT  # Y₀ = c·gram, c = 1/‖X‖²_F = 1/trace(gram): folded into what follows
+    dg = gram.diagonal(dim1=-2, dim2=-1).to(torch.promote_types(gram.dtype, torch.float32))
+    c = _recip(dg.sum(-1, keepdim=True))  # (..., 1)
+    if method == "ns":
+        eye = torch.eye(m, dtype=x.dtype, device=x.device)
+        cg = c.to(gram.dtype).unsqueeze(-1)
+        t = 3.0 * eye - gram * cg  # step 1, Z₀ = I: T = 3I − Y₀, Z₁ = βT, Y₁ = βY₀T
+        z = beta * t
+        y = gram
+        for k in range(1, steps):
+            y = torch.matmul(y, t).mul_(beta * cg if k == 1 else beta)
+            t = torch.baddbmm(3.0 * eye, z.reshape(-1, m, m), y.reshape(-1, m, m), alpha=-1.0).view(y.shape)
+            z = torch.matmul(t, z).mul_(beta)
+        z = z * c.sqrt().to(z.dtype).unsqueeze(-1)
+    else:
+        z = _nsds_z(gram, dg, c, steps, beta)
+    out = z @ x  # Z (X / ‖X‖_F), the scale applied to the small matrix
     return out.mT if transpose else out
 
 
+def _nsds_z(gram: Tensor, dg: Tensor, c: Tensor, steps: int, beta: float) -> Tensor:
+    """NSDS's Z_K·sqrt(c) built from the Gram in two passes over it (K ≥ 1).
+
+    Every NSDS step scales Y's columns (``Y ← βY·Diag(3 − dZ⊙dY)``), so ``Y_k = Y₀·Diag(a_k)`` and all
+    the diagonals follow vector recursions: ``a_{k+1} = β a_k (3 − dZ_k dY_k)``, ``dY_k = dY₀ a_k``,
+    ``dZ_{k+1} = β dZ_k (3 − dZ_k dY_k)`` (a₀ = dZ₀ = 1, dY₀ = c·diag(gram)). Only the last Z is a
+    matrix: ``Z_K = 3β Diag(dZ) − β Diag(dZ)·Y₀·Diag(a dZ)`` with dZ, a at step K − 1: the same
+    numbers as Alg. 2's K matrix updates, for O(K s) work besides building Z_K."""
+    dy0 = c * dg
+    a = torch.ones_like(dy0)
+    dz = torch.ones_like(dy0)
+    for _ in range(steps - 1):
+        f = 3.0 - dz * a * dy0
+        a, dz = beta * a * f, beta * dz * f
+    sc = c.sqrt()
+    left = (dz * (-beta) * c * sc).to(gram.dtype).unsqueeze(-1)  # −β c·sqrt(c)·dZ, per row
+    z = gram * left
+    z.mul_((a * dz).to(gram.dtype).unsqueeze(-2))
+    z.diagonal(dim1=-2, dim2=-1).add_((3.0 * beta * sc * dz).to(gram.dtype))
+    return z
+
+
+def _rescale(u: Tensor, dtype: torch.dtype) -> Tensor:
+    return _scale_by(u, _recip(_norm(u, (-2, -1))) * math.sqrt(u.shape[-2] * u.shape[-1]), dtype)
+
+
 def rescale(u: Tensor) -> Tensor:
-    """``u · sqrt(m n) / ‖u‖_F`` per matrix (paper eq. 3: the norm of sign descent); 0 stays 0."""
+    """``u · sqrt(m n) / ‖u‖_F`` per matrix (paper eq. 3: the norm of sign descent); 0 stays 0. One
+    reduction (no under/overflow) and one multiply over ``u``."""
     if u.numel() == 0:
         return u
-    m, n = u.shape[-2], u.shape[-1]
-    u = u * _recip(_max_abs(u, (-2, -1)))
-    return u * (_recip(torch.linalg.vector_norm(u, dim=(-2, -1), keepdim=True)) * math.sqrt(m * n))
+    return _rescale(u, u.dtype)
 
 
 def swan_update(g: Tensor, cfg: WhitenConfig = WhitenConfig()) -> tuple[Tensor, Tensor]:
@@ -163,6 +223,10 @@ def swan_update(g: Tensor, cfg: WhitenConfig = WhitenConfig()) -> tuple[Tensor, 
     shape of ``g``; ``finite`` is a bool tensor of shape ``g.shape[:-2]`` telling which matrices had
     an all-finite gradient. Matrices with a non-finite gradient get a zero update, so a NaN never
     reaches the weights; what to do about them (skip, raise) is the caller's policy.
+
+    Passes over the matrix besides the two GEMMs (Gram, final product): GradNorm's column norms (which
+    also give ``finite``) and its multiply, written in the whitening dtype; the rescale's norm and its
+    multiply, written in the output dtype; zeroing the non-finite matrices in place.
     """
     if g.dim() < 2:
         raise ValueError(f"swan_update needs matrices (..., out, in), got shape {tuple(g.shape)}")
@@ -170,15 +234,16 @@ def swan_update(g: Tensor, cfg: WhitenConfig = WhitenConfig()) -> tuple[Tensor, 
         return torch.zeros(g.shape, dtype=torch.float32, device=g.device), torch.ones(
             g.shape[:-2], dtype=torch.bool, device=g.device
         )
-    x = g.to(torch.promote_types(g.dtype, torch.float32))
-    finite = torch.isfinite(_max_abs(x, (-2, -1)))  # NaN/Inf anywhere shows in the max-abs
-    x = grad_norm(x, cfg.grad_norm)
     wdtype = resolve_dtype(cfg, g.device)
+    out_dtype = torch.promote_types(wdtype, torch.float32)
+    x, finite = _grad_norm(g, cfg.grad_norm, wdtype)
     # whiten() works in the paper's orientation (rows = input dims): a square matrix takes the Gram
     # of its input side, as Alg. 2 with m <= n does; NSDS depends on that choice, NS does not.
-    x = whiten(x.to(wdtype).mT, cfg.method, cfg.steps, cfg.beta, prescale=cfg.grad_norm == "none").mT
-    upd = rescale(x.to(torch.promote_types(wdtype, torch.float32)))
-    return torch.where(finite, upd, 0.0), finite[..., 0, 0]
+    x = whiten(x.mT, cfg.method, cfg.steps, cfg.beta, prescale=cfg.grad_norm == "none").mT
+    upd = _rescale(x, out_dtype)
+    if g.device.type != "cpu" or not bool(finite.all()):  # (no host sync off the CPU)
+        upd.masked_fill_(~finite, 0.0)
+    return upd, finite[..., 0, 0]
 
 
 def whiten_flops(shape: tuple[int, int], cfg: WhitenConfig) -> float:

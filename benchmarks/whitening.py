@@ -1,0 +1,126 @@
+"""Whitening efficiency: the SWAN update computation against the GEMMs it needs, one process.
+
+For every weight matrix of the reference model (stacked by shape, as the optimizer whitens them),
+measured side by side in one run, per preset and whitening dtype:
+  - the time of ``swan_dist.swan_update`` (GradNorm, NS/NSDS, rescale, finite check);
+  - the GEMM FLOPs the algorithm needs: per matrix of s = min side, l = max side, the Gram and the
+    final product (4 s² l), plus 3K - 3 s×s products for K Newton-Schulz steps (NSDS: none);
+  - the device's matmul rate for the same dtype, measured two ways: on exactly those GEMMs (the same
+    shapes, stacked the same way: what the algorithm could reach if it were nothing but its GEMMs),
+    and on one large square product;
+  - the efficiency = needed FLOPs / update time, as a fraction of each rate (target: >= 80 % of the
+    same-shape rate).
+Writes the `whitening-<device>` section of docs/benchmarks.md.
+
+    python benchmarks/whitening.py --size small
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import time
+from collections import Counter
+
+import torch
+
+from swan_dist.functional import WhitenConfig, swan_update
+from swan_dist.reference.model import Llama, model_config
+
+from _report import write_section  # noqa: E402 (benchmarks/ is the script's folder)
+
+PRESETS = {"SWAN‡ (NSDS 2)": WhitenConfig("nsds", 2, 0.4), "SWAN† (NS 10)": WhitenConfig("ns", 10, 0.8)}
+
+
+def _timer(device: torch.device, reps: int):
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def run(fn) -> float:
+        fn()
+        fn()  # warm-up
+        times = []
+        for _ in range(reps):
+            sync()
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+    return run
+
+
+def _needed_flops(shape: tuple[int, int], cfg: WhitenConfig) -> float:
+    s, l = min(shape), max(shape)
+    return 4.0 * s * s * l + (2.0 * (3 * cfg.steps - 3) * s**3 if cfg.method == "ns" else 0.0)
+
+
+def _gemms_only(stack: torch.Tensor, cfg: WhitenConfig):
+    """The products the algorithm needs on these shapes, nothing else (paper orientation: the Gram of
+    the input side, (in, out) after the transpose; a tall one transposed to its smaller side)."""
+    x = stack.mT if stack.shape[-1] <= stack.shape[-2] else stack  # (.., s, l)
+    x = x.contiguous()
+    n_small = 3 * cfg.steps - 3 if cfg.method == "ns" else 0
+
+    def run():
+        y = x @ x.mT
+        z = y
+        for _ in range(n_small):
+            z = z @ y
+        return z @ x
+    return run
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size", default="small")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtypes", default=None, help="comma list of float32,bfloat16 (default: both)")
+    ap.add_argument("--no-write", action="store_true")
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    timed = _timer(device, args.reps)
+    torch.manual_seed(0)
+    model = Llama(model_config(args.size, vocab_size=8192))
+    shapes = Counter(tuple(p.shape) for n, p in model.named_parameters()
+                     if p.dim() == 2 and "tok_embeddings" not in n and not n.startswith("output"))
+    stacks = {s: torch.randn(c, *s, device=device) * 1e-3 for s, c in sorted(shapes.items())}
+    dtypes = (args.dtypes or "float32,bfloat16").split(",")
+    big = 4096 if device.type == "cuda" else 1024
+    rows = []
+    for dt in dtypes:
+        a = torch.randn(big, big, device=device, dtype=getattr(torch, dt))
+        square = 2 * big**3 / timed(lambda: a @ a) / 1e9
+        for label, base in PRESETS.items():
+            cfg = WhitenConfig(base.method, base.steps, base.beta, dtype=dt)
+            t_upd = t_gemm = flops = 0.0
+            for shape, stack in stacks.items():
+                t_upd += timed(lambda: swan_update(stack, cfg))
+                t_gemm += timed(_gemms_only(stack.to(getattr(torch, dt)), cfg))
+                flops += _needed_flops(shape, cfg) * stack.shape[0]
+            rows.append((dt, label, t_upd, t_gemm, flops, square))
+    dev = (torch.cuda.get_device_name(device) if device.type == "cuda"
+           else f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)")
+    n_mat = sum(shapes.values())
+    lines = [
+        f"Reference model `{args.size}`: {n_mat} matrices ({', '.join(f'{c}x {list(s)}' for s, c in sorted(shapes.items()))}), "
+        f"one process, {dev}, torch {torch.__version__}; median of {args.reps}. Needed FLOPs: Gram + final product "
+        "(4 s² l per matrix) and, for NS, 3K − 3 s×s products. Same-shape rate: those GEMMs alone, on the same stacks.",
+        "",
+        "| dtype | preset | update (ms) | GEMMs alone (ms) | needed GFLOP | achieved GFLOP/s | same-shape GEMM GFLOP/s | "
+        f"vs same-shape (target ≥ 80 %) | {big}² matmul GFLOP/s | vs {big}² |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for dt, label, t_upd, t_gemm, flops, square in rows:
+        ach, gem = flops / t_upd / 1e9, flops / t_gemm / 1e9
+        lines.append(f"| {dt} | {label} | {t_upd * 1e3:.1f} | {t_gemm * 1e3:.1f} | {flops / 1e9:.2f} | {ach:.1f} | "
+                     f"{gem:.1f} | {100 * ach / gem:.0f} % | {square:.1f} | {100 * ach / square:.0f} % |")
+    text = "\n".join(lines)
+    print(text)
+    if not args.no_write:
+        write_section(f"whitening-{device.type}", "Whitening efficiency (swan_update vs its GEMMs)", text)
+
+
+if __name__ == "__main__":
+    main()
