@@ -1,0 +1,112 @@
+"""SWAN's numerics on an accelerator vs the CPU: a check for a GPU machine, printed, not a test.
+
+tests/test_functional.py and tests/test_optimizer.py have no CUDA cases, so on a GPU machine this
+script is what exercises the device path. Measured in one run, each against an fp64 CPU reference on
+the same gradients:
+
+1. ``swan_update`` (GradNorm, whitening, rescale) for SWAN‡ (NSDS), SWAN† (NS, 10 steps, β 0.8), the
+   mean-centred GradNorm and a batched stack, on the device with ``whiten_dtype`` float32 and ``auto``
+   (bf16 for NSDS on CUDA, fp32 otherwise): max |Δ| over the update's RMS (1 after rescale);
+2. the polar factor: NS with 30 steps, β 0.5 on well-conditioned matrices vs SVD, on the device in fp32;
+3. one ``swan_dist.SWAN`` step (fallback AdamW) on the reference ``tiny`` model: the parameters after
+   the step on the device vs on the CPU (fp32 whitening on both), relative to the step's size.
+
+Fails (exit 1) past the tolerances below; prints a line per case. ``--device cpu`` runs the same
+comparisons on the CPU (to check the script where there is no GPU).
+
+    python benchmarks/cuda_numerics.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+
+import torch
+
+from swan_dist.functional import WhitenConfig, resolve_dtype, swan_update, whiten
+
+# max |Δ| / RMS(update): fp32 on the device vs fp64 on the CPU; bf16 whitening (8-bit mantissa,
+# two NSDS steps) is expected to differ by a few percent of the update's scale per element
+TOL = {"float32": 1e-3, "bfloat16": 0.1}
+CASES = {
+    "SWAN‡ (NSDS) 256x1024": ((256, 1024), WhitenConfig()),
+    "SWAN‡ (NSDS) 1024x256": ((1024, 256), WhitenConfig()),
+    "SWAN‡ (NSDS) 512x512": ((512, 512), WhitenConfig()),
+    "SWAN† (NS 10, β 0.8) 256x1024": ((256, 1024), WhitenConfig(method="ns", steps=10, beta=0.8)),
+    "NSDS, mean GradNorm 384x768": ((384, 768), WhitenConfig(grad_norm="mean")),
+    "NSDS, stack of 4 x 128x512": ((4, 128, 512), WhitenConfig()),
+}
+
+
+def _well_conditioned(rows: int, cols: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    k = min(rows, cols)
+    u, _ = torch.linalg.qr(torch.randn(rows, k, generator=g, dtype=torch.float64))
+    v, _ = torch.linalg.qr(torch.randn(cols, k, generator=g, dtype=torch.float64))
+    return (u * (1 + 2 * torch.rand(k, generator=g, dtype=torch.float64))) @ v.T
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else None)
+    args = ap.parse_args()
+    if args.device is None:
+        print("cuda_numerics: no CUDA device here; pass --device cpu to run the comparisons on the CPU")
+        return 0
+    dev = torch.device(args.device)
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU"
+    print(f"cuda_numerics: {name}, torch {torch.__version__}, TF32 matmul allowed: "
+          f"{torch.backends.cuda.matmul.allow_tf32}, fp32 matmul precision: {torch.get_float32_matmul_precision()}")
+    failed = []
+
+    def report(label: str, err: float, tol: float) -> None:
+        ok = err <= tol
+        print(f"  {'ok  ' if ok else 'FAIL'} {label}: {err:.2e} (tolerance {tol:.2g})")
+        if not ok:
+            failed.append(label)
+
+    g = torch.Generator().manual_seed(0)
+    for label, (shape, cfg) in CASES.items():
+        grad = torch.randn(*shape, generator=g, dtype=torch.float64) * 1e-3
+        ref = swan_update(grad, dataclasses.replace(cfg, dtype="float64"))[0]
+        rms = ref.pow(2).mean().sqrt().item()
+        for dtype in ("float32", "auto"):
+            run = dataclasses.replace(cfg, dtype=dtype)
+            used = str(resolve_dtype(run, dev)).removeprefix("torch.")
+            out = swan_update(grad.float().to(dev), run)[0]
+            report(f"swan_update {label}, {dtype} ({used})", (out.double().cpu() - ref).abs().max().item() / rms,
+                   TOL[used])
+
+    for shape in ((64, 256), (256, 64), (48, 48)):
+        m = _well_conditioned(*shape)
+        u, _, vh = torch.linalg.svd(m, full_matrices=False)
+        out = whiten(m.float().to(dev), "ns", steps=30, beta=0.5)
+        report(f"NS(30) polar factor {shape[0]}x{shape[1]}, float32", (out.double().cpu() - u @ vh).abs().max().item(),
+               5e-5)
+
+    import swan_dist
+    from swan_dist.reference.model import Llama, model_config
+
+    after = {}
+    for where in ("cpu", dev):
+        torch.manual_seed(0)
+        model = Llama(model_config("tiny", vocab_size=512)).to(where)
+        start = {n: p.detach().double().cpu().clone() for n, p in model.named_parameters()}
+        gg = torch.Generator().manual_seed(1)
+        for p in model.parameters():
+            p.grad = (torch.randn(p.shape, generator=gg) * 1e-3).to(where)
+        opt = swan_dist.SWAN(model, preset="swan_ddagger", lr=0.02, whiten_dtype="float32", verbose=False)
+        opt.step()
+        after[str(where)] = {n: p.detach().double().cpu() for n, p in model.named_parameters()}
+    cpu_after, dev_after = after["cpu"], after[str(dev)]
+    worst = max(((dev_after[n] - cpu_after[n]).abs().max() / (cpu_after[n] - start[n]).abs().max().clamp_min(1e-12)).item()
+                for n in start)
+    report("SWAN step on the reference tiny model (device vs CPU, per tensor, / step size)", worst, 1e-3)
+    print(f"cuda_numerics: {'FAILED: ' + ', '.join(failed) if failed else 'all within tolerance'}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

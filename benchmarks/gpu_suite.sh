@@ -1,0 +1,117 @@
+#!/usr/bin/env bash
+# The GPU kit: SWAN's benchmarks and numerics checks on a lent one-GPU machine, in one command.
+#
+# Run from the repository root on that machine (Python 3.12 at python3 with torch+CUDA; no internet,
+# no megatron-core), with the git-ignored folder .whl/ (megatron-core's cp312 manylinux wheel) carried:
+#
+#     bash benchmarks/gpu_suite.sh
+#
+# Steps (each under `timeout`, inside an overall budget, so one failure or hang does not stop the rest):
+#   0. install .whl/*.whl to /tmp/site; make swan_dist importable from this checkout (below); print
+#      nvidia-smi, torch/CUDA versions and what imports;
+#   a. benchmarks/optimizer_step.py on CUDA (writes the `optimizer-step-cuda` section);
+#   b. benchmarks/megatron.py under torchrun at W=1 with NCCL: a larger model (writes `megatron-cuda`),
+#      then the CPU run's default model (log only, for comparison with the CPU section);
+#   c. benchmarks/cuda_numerics.py (SWAN's math and one optimizer step on the GPU vs fp64/CPU);
+#   d. pytest tests/test_functional.py tests/test_optimizer.py (these have no CUDA cases: they run on
+#      the CPU there, with that machine's torch build).
+# Logs, docs/benchmarks.md (with the sections written here) and a summary go to $OUT (the device
+# tool's folder; ./runs/gpu_suite elsewhere): 8 files, the most the device tool brings back.
+# Budget: SUITE_BUDGET_S seconds for the steps (default 420; 2-3 minutes expected on an H100).
+# Without CUDA (a dry run, e.g. PYTHON=.venv/bin/python) the benchmarks run on the CPU, write nothing.
+
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/runs/gpu_suite}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+SITE=${SWAN_SITE:-/tmp/site}
+BUDGET=${SUITE_BUDGET_S:-420}
+START=$(date +%s)
+SUMMARY="$OUT/summary.txt"
+: >"$SUMMARY"
+
+# step NAME TIMEOUT_S CMD...: run CMD with at most TIMEOUT_S (less if the budget is nearly spent),
+# its output to $OUT/NAME.log and the terminal; record the exit status and time in the summary
+step() {
+    local name=$1 limit=$2
+    shift 2
+    local left=$((BUDGET - ($(date +%s) - START)))
+    if ((left < 15)); then
+        echo "== $name: skipped (budget spent)" | tee -a "$SUMMARY"
+        return
+    fi
+    ((limit > left)) && limit=$left
+    echo "== $name (timeout ${limit}s): $*"
+    local t0 rc verdict=ok
+    t0=$(date +%s)
+    timeout -k 10 "$limit" "$@" 2>&1 | tee "$OUT/$name.log"
+    rc=${PIPESTATUS[0]}
+    ((rc == 124 || rc == 137)) && verdict="TIMED OUT"
+    ((rc != 0 && rc != 124 && rc != 137)) && verdict="FAILED"
+    echo "== $name: $verdict (exit $rc, $(($(date +%s) - t0)) s)" | tee -a "$SUMMARY"
+}
+
+{
+    echo "== setup"
+    mkdir -p "$SITE"
+    if compgen -G ".whl/*.whl" >/dev/null; then
+        $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl \
+            || echo "wheel install FAILED"
+    else
+        echo "no .whl/ folder: megatron-core must already be importable (carry .whl)"
+    fi
+    # swan_dist is not pip-installed there, and setup.cfg maps the subpackage swan_dist.integrations to the
+    # top-level integrations/ folder, which a plain PYTHONPATH entry cannot express. So $SITE/swan_dist is a
+    # folder of symlinks: swan_dist/'s entries plus integrations -> ../integrations. Module paths resolve
+    # through the links into this checkout, so configs/presets is found as in a source checkout.
+    rm -rf "$SITE/swan_dist"
+    mkdir -p "$SITE/swan_dist"
+    for f in "$PWD"/swan_dist/*; do
+        [ "$(basename "$f")" = __pycache__ ] || ln -s "$f" "$SITE/swan_dist/"
+    done
+    ln -s "$PWD/integrations" "$SITE/swan_dist/integrations"
+} 2>&1 | tee "$OUT/env.log"
+export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+
+{
+    echo "== environment ($(date -u +%FT%TZ))"
+    nvidia-smi || echo "nvidia-smi not found"
+    PYTHONSAFEPATH=1 $PY - <<'EOF'  # (stdin: no checkout first on sys.path, see the pytest step)
+import sys, warnings, torch
+warnings.filterwarnings("ignore")
+print("python", sys.version.split()[0], "| torch", torch.__version__, "| CUDA", torch.version.cuda,
+      "| available", torch.cuda.is_available(), "|", torch.cuda.get_device_name(0) if torch.cuda.is_available() else "-")
+import swan_dist, swan_dist.integrations
+print("swan_dist", swan_dist.__version__, "from", swan_dist.__file__, "| integrations from", swan_dist.integrations.__path__[0])
+try:
+    import megatron.core, swan_dist.integrations.megatron
+    print("megatron-core", megatron.core.__version__, "from", megatron.core.__file__)
+except Exception as e:
+    print("megatron-core NOT importable:", type(e).__name__, e)
+EOF
+} 2>&1 | tee -a "$OUT/env.log"
+
+CUDA=$($PY -c "import torch; print(int(torch.cuda.is_available()))" 2>/dev/null || echo 0)
+NOWRITE=()
+# the GPU run's model: ~150M parameters (the CPU run's default is ~4M, launch-bound on a GPU)
+BIG=(--hidden 1024 --ffn 4096 --layers 8 --heads 16 --query-groups 8 --vocab 32768 --seq 1024 --batch 8 --steps 10
+     --warmup 3)
+if [ "$CUDA" != 1 ]; then  # a dry run of the kit: the default model, nothing written to docs/benchmarks.md
+    NOWRITE=(--no-write)
+    BIG=()
+    echo "no CUDA device: a dry run on the CPU, docs/benchmarks.md left alone" | tee -a "$SUMMARY"
+fi
+
+step optimizer_step 120 $PY benchmarks/optimizer_step.py "${NOWRITE[@]}"
+step megatron 150 $PY -m torch.distributed.run --standalone --nproc-per-node 1 benchmarks/megatron.py "${BIG[@]}" \
+    "${NOWRITE[@]}"
+[ "$CUDA" = 1 ] && step megatron_small 90 $PY -m torch.distributed.run --standalone --nproc-per-node 1 benchmarks/megatron.py --no-write
+step cuda_numerics 60 $PY benchmarks/cuda_numerics.py
+# PYTHONSAFEPATH: `python -m` would put the checkout first on sys.path, whose swan_dist/ lacks integrations/
+step pytest 180 env PYTHONSAFEPATH=1 $PY -m pytest -q -p no:cacheprovider tests/test_functional.py tests/test_optimizer.py
+
+cp docs/benchmarks.md "$OUT/benchmarks.md"
+echo "== total $(($(date +%s) - START)) s" | tee -a "$SUMMARY"
+cat "$SUMMARY"
