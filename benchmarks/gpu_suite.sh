@@ -12,9 +12,10 @@
 #   a. benchmarks/optimizer_step.py on CUDA (writes the `optimizer-step-cuda` section);
 #   b. benchmarks/megatron.py under torchrun at W=1 with NCCL: a larger model (writes `megatron-cuda`),
 #      then the CPU run's default model (log only, for comparison with the CPU section);
-#   c. benchmarks/cuda_numerics.py (SWAN's math and one optimizer step on the GPU vs fp64/CPU);
-#   d. pytest tests/test_functional.py tests/test_optimizer.py (these have no CUDA cases: they run on
-#      the CPU there, with that machine's torch build).
+#   c. benchmarks/whitening.py (swan_update vs its GEMMs, fp32 and bf16);
+#   d. benchmarks/cuda_numerics.py (SWAN's math and one optimizer step on the GPU vs fp64/CPU);
+#   e. with a Megatron-LM checkout carried in .mlm/ (pretrain_gpt.py, megatron/; git-ignored):
+#      pretrain_gpt.py --optimizer swan end to end on NCCL (bf16, distributed optimizer, save + resume).
 # Logs, docs/benchmarks.md (with the sections written here) and a summary go to $OUT (the device
 # tool's folder; ./runs/gpu_suite elsewhere): 8 files, the most the device tool brings back.
 # Budget: SUITE_BUDGET_S seconds for the steps (default 420; 2-3 minutes expected on an H100).
@@ -37,6 +38,9 @@ SUMMARY="$OUT/summary.txt"
 step() {
     local name=$1 limit=$2
     shift 2
+    if [ -n "${SUITE_STEPS:-}" ] && [[ " $SUITE_STEPS " != *" $name "* ]]; then
+        return
+    fi
     local left=$((BUDGET - ($(date +%s) - START)))
     if ((left < 15)); then
         echo "== $name: skipped (budget spent)" | tee -a "$SUMMARY"
@@ -104,13 +108,39 @@ if [ "$CUDA" != 1 ]; then  # a dry run of the kit: the default model, nothing wr
     echo "no CUDA device: a dry run on the CPU, docs/benchmarks.md left alone" | tee -a "$SUMMARY"
 fi
 
-step optimizer_step 120 $PY benchmarks/optimizer_step.py "${NOWRITE[@]}"
-step megatron 150 $PY -m torch.distributed.run --standalone --nproc-per-node 1 benchmarks/megatron.py "${BIG[@]}" \
+step optimizer_step 90 $PY benchmarks/optimizer_step.py "${NOWRITE[@]}"
+step whitening 90 $PY benchmarks/whitening.py "${NOWRITE[@]}"
+step megatron 120 $PY -m torch.distributed.run --standalone --nproc-per-node 1 benchmarks/megatron.py "${BIG[@]}" \
     "${NOWRITE[@]}"
-[ "$CUDA" = 1 ] && step megatron_small 90 $PY -m torch.distributed.run --standalone --nproc-per-node 1 benchmarks/megatron.py --no-write
 step cuda_numerics 60 $PY benchmarks/cuda_numerics.py
-# PYTHONSAFEPATH: `python -m` would put the checkout first on sys.path, whose swan_dist/ lacks integrations/
-step pytest 180 env PYTHONSAFEPATH=1 $PY -m pytest -q -p no:cacheprovider tests/test_functional.py tests/test_optimizer.py
+
+# Megatron-LM end to end (when a checkout is carried in .mlm/: pretrain_gpt.py and megatron/ of tag
+# core_v0.16.1): bf16, the distributed optimizer, NCCL; a torch_dist checkpoint at iteration 20 of 40,
+# then a resume from it, whose iterations 25..40 must log the uninterrupted run's losses.
+mlm() {
+    local ck=/tmp/mlm_ckpt flags=(--optimizer swan --transformer-impl local --mock-data --tokenizer-type NullTokenizer
+        --vocab-size 32000 --num-layers 4 --hidden-size 512 --ffn-hidden-size 1408 --num-attention-heads 8
+        --group-query-attention --num-query-groups 4 --swiglu --position-embedding-type rope --normalization RMSNorm
+        --disable-bias-linear --seq-length 512 --max-position-embeddings 512 --micro-batch-size 8
+        --global-batch-size 16 --lr 3e-4 --min-lr 3e-5 --lr-decay-style cosine --lr-warmup-iters 5 --weight-decay 0.1
+        --clip-grad 1.0 --bf16 --use-distributed-optimizer --train-iters 40 --log-interval 5 --eval-iters 0
+        --eval-interval 1000 --ckpt-format torch_dist --seed 1234 --no-gradient-accumulation-fusion --no-rope-fusion
+        --no-persist-layer-norm --no-masked-softmax-fusion)  # (fusions that need Transformer Engine or apex)
+    rm -rf "$ck"
+    # megatron from the checkout (not the wheel in $SITE): everything else $SITE holds (swan_dist's links, pydantic)
+    local site2=/tmp/site_no_mcore f
+    rm -rf "$site2" && mkdir -p "$site2"
+    for f in "$SITE"/*; do
+        case "$(basename "$f")" in megatron*) ;; *) cp -a "$f" "$site2/" ;; esac
+    done
+    PYTHONSAFEPATH=1 PYTHONPATH="$site2" PYTHON=$PY NPROC=1 bash launch/megatron_lm.sh .mlm/pretrain_gpt.py "${flags[@]}" || return 1
+    PYTHONSAFEPATH=1 PYTHONPATH="$site2" PYTHON=$PY NPROC=1 bash launch/megatron_lm.sh .mlm/pretrain_gpt.py "${flags[@]}" \
+        --save "$ck" --save-interval 20 --exit-interval 20 || return 1
+    PYTHONSAFEPATH=1 PYTHONPATH="$site2" PYTHON=$PY NPROC=1 bash launch/megatron_lm.sh .mlm/pretrain_gpt.py "${flags[@]}" --load "$ck"
+}
+if [ "$CUDA" = 1 ] && [ -f .mlm/pretrain_gpt.py ]; then
+    step megatron_lm 240 env SITE="$SITE" PY="$PY" bash -c "$(declare -f mlm); mlm"
+fi
 
 cp docs/benchmarks.md "$OUT/benchmarks.md"
 echo "== total $(($(date +%s) - START)) s" | tee -a "$SUMMARY"
