@@ -18,6 +18,7 @@ Writes the `whitening-<device>` section of docs/benchmarks.md.
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import statistics
 import time
@@ -77,6 +78,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtypes", default=None, help="comma list of float32,bfloat16 (default: both)")
+    ap.add_argument("--compile", choices=["auto", "yes", "no"], default="auto",
+                    help="also time swan_update through torch.compile (auto: on CUDA, where it is the default)")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
     device = torch.device(args.device)
@@ -88,18 +91,24 @@ def main() -> None:
     stacks = {s: torch.randn(c, *s, device=device) * 1e-3 for s, c in sorted(shapes.items())}
     dtypes = (args.dtypes or "float32,bfloat16").split(",")
     big = 4096 if device.type == "cuda" else 1024
+    compiled = args.compile == "yes" or (args.compile == "auto" and device.type == "cuda")
     rows = []
     for dt in dtypes:
         a = torch.randn(big, big, device=device, dtype=getattr(torch, dt))
         square = 2 * big**3 / timed(lambda: a @ a) / 1e9
         for label, base in PRESETS.items():
             cfg = WhitenConfig(base.method, base.steps, base.beta, dtype=dt)
-            t_upd = t_gemm = flops = 0.0
+            t_upd = t_comp = t_gemm = flops = 0.0
             for shape, stack in stacks.items():
+                os.environ["SWAN_DIST_COMPILE"] = "0"
                 t_upd += timed(lambda: swan_update(stack, cfg))
+                if compiled:
+                    os.environ["SWAN_DIST_COMPILE"] = "1"
+                    t_comp += timed(lambda: swan_update(stack, cfg))
                 t_gemm += timed(_gemms_only(stack.to(getattr(torch, dt)), cfg))
                 flops += _needed_flops(shape, cfg) * stack.shape[0]
-            rows.append((dt, label, t_upd, t_gemm, flops, square))
+            os.environ.pop("SWAN_DIST_COMPILE", None)
+            rows.append((dt, label, t_comp if compiled else t_upd, t_upd, t_gemm, flops, square))
     dev = (torch.cuda.get_device_name(device) if device.type == "cuda"
            else f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)")
     n_mat = sum(shapes.values())
@@ -108,14 +117,16 @@ def main() -> None:
         f"one process, {dev}, torch {torch.__version__}; median of {args.reps}. Needed FLOPs: Gram + final product "
         "(4 s² l per matrix) and, for NS, 3K − 3 s×s products. Same-shape rate: those GEMMs alone, on the same stacks.",
         "",
-        "| dtype | preset | update (ms) | GEMMs alone (ms) | needed GFLOP | achieved GFLOP/s | same-shape GEMM GFLOP/s | "
-        f"vs same-shape (target ≥ 80 %) | {big}² matmul GFLOP/s | vs {big}² |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        f"| dtype | preset | update (ms) | eager update (ms) | GEMMs alone (ms) | needed GFLOP | achieved GFLOP/s | "
+        f"same-shape GEMM GFLOP/s | vs same-shape (target ≥ 80 %) | {big}² matmul GFLOP/s | vs {big}² |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for dt, label, t_upd, t_gemm, flops, square in rows:
+    for dt, label, t_upd, t_eager, t_gemm, flops, square in rows:
         ach, gem = flops / t_upd / 1e9, flops / t_gemm / 1e9
-        lines.append(f"| {dt} | {label} | {t_upd * 1e3:.1f} | {t_gemm * 1e3:.1f} | {flops / 1e9:.2f} | {ach:.1f} | "
-                     f"{gem:.1f} | {100 * ach / gem:.0f} % | {square:.1f} | {100 * ach / square:.0f} % |")
+        lines.append(f"| {dt} | {label} | {t_upd * 1e3:.2f} | {t_eager * 1e3:.2f} | {t_gemm * 1e3:.2f} | {flops / 1e9:.2f} | "
+                     f"{ach:.1f} | {gem:.1f} | {100 * ach / gem:.0f} % | {square:.1f} | {100 * ach / square:.0f} % |")
+    lines += ["", "update: as SWAN runs it on this device (" + ("through torch.compile" if compiled else "eager") +
+              "); eager update: SWAN_DIST_COMPILE=0."]
     text = "\n".join(lines)
     print(text)
     if not args.no_write:

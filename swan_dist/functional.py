@@ -16,7 +16,10 @@ whitens and rescales to zero.
 
 from __future__ import annotations
 
+import functools
 import math
+import os
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -227,6 +230,10 @@ def swan_update(g: Tensor, cfg: WhitenConfig = WhitenConfig()) -> tuple[Tensor, 
     Passes over the matrix besides the two GEMMs (Gram, final product): GradNorm's column norms (which
     also give ``finite``) and its multiply, written in the whitening dtype; the rescale's norm and its
     multiply, written in the output dtype; zeroing the non-finite matrices in place.
+
+    On CUDA the computation runs through ``torch.compile`` (fusing the elementwise work around the
+    GEMMs: small matrices are launch-bound there); ``SWAN_DIST_COMPILE=0`` turns that off, ``=1`` turns
+    it on for every device. Where compilation fails, a warning says so once and the eager code runs.
     """
     if g.dim() < 2:
         raise ValueError(f"swan_update needs matrices (..., out, in), got shape {tuple(g.shape)}")
@@ -234,6 +241,33 @@ def swan_update(g: Tensor, cfg: WhitenConfig = WhitenConfig()) -> tuple[Tensor, 
         return torch.zeros(g.shape, dtype=torch.float32, device=g.device), torch.ones(
             g.shape[:-2], dtype=torch.bool, device=g.device
         )
+    if _compile_wanted(g.device):
+        fn = _COMPILED.get(cfg)
+        if fn is None:
+            fn = _COMPILED[cfg] = torch.compile(functools.partial(_swan_update, cfg=cfg), dynamic=None)
+        try:
+            return fn(g)
+        except Exception as e:  # noqa: BLE001 - any compiler failure: the eager path below
+            _COMPILE_STATE["failed"] = f"{type(e).__name__}: {e}"[:300]
+            warnings.warn(f"swan_dist: torch.compile of swan_update failed ({_COMPILE_STATE['failed']}); running "
+                          "eagerly from now on", RuntimeWarning)
+    return _swan_update(g, cfg)
+
+
+_COMPILED: dict[WhitenConfig, object] = {}
+_COMPILE_STATE: dict[str, str] = {}
+
+
+def _compile_wanted(device: torch.device) -> bool:
+    if _COMPILE_STATE.get("failed"):
+        return False
+    mode = os.environ.get("SWAN_DIST_COMPILE", "auto").strip().lower()
+    if mode in ("0", "off", "false", "no"):
+        return False
+    return mode in ("1", "on", "true", "yes") or device.type == "cuda"
+
+
+def _swan_update(g: Tensor, cfg: WhitenConfig) -> tuple[Tensor, Tensor]:
     wdtype = resolve_dtype(cfg, g.device)
     out_dtype = torch.promote_types(wdtype, torch.float32)
     x, finite = _grad_norm(g, cfg.grad_norm, wdtype)

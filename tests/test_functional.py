@@ -263,3 +263,33 @@ def test_grad_norm_on_tall_matrix_equals_literal_eq1():
     got = grad_norm(g.float(), "rms").double()
     assert (got - want).abs().max() < 1e-5 * want.abs().max()
     assert torch.allclose(got.pow(2).mean(dim=0), torch.ones(8, dtype=torch.float64), atol=1e-5)  # unit RMS per input
+
+
+def test_compile_failure_falls_back_to_eager_once(monkeypatch):
+    """SWAN_DIST_COMPILE=1 routes swan_update through torch.compile; a compiler that fails warns once
+    and the eager result comes back (and later calls go straight to the eager code)."""
+    import swan_dist.functional as F
+
+    calls = []
+
+    def broken_compile(fn, **kwargs):
+        def run(*a, **k):
+            calls.append(1)
+            raise RuntimeError("no compiler here")
+        return run
+
+    monkeypatch.setenv("SWAN_DIST_COMPILE", "1")
+    monkeypatch.setattr(F.torch, "compile", broken_compile)
+    monkeypatch.setattr(F, "_COMPILED", {})
+    monkeypatch.setattr(F, "_COMPILE_STATE", {})
+    g = torch.randn(3, 12, 7)
+    with pytest.warns(RuntimeWarning, match="torch.compile of swan_update failed"):
+        upd, finite = swan_update(g)
+    ref, _ = F._swan_update(g, WhitenConfig())
+    assert torch.equal(upd, ref) and bool(finite.all())
+    swan_update(g)
+    assert len(calls) == 1  # not retried
+    monkeypatch.setenv("SWAN_DIST_COMPILE", "0")
+    monkeypatch.setattr(F, "_COMPILE_STATE", {})
+    swan_update(g)
+    assert len(calls) == 1  # off: never compiled
