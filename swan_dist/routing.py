@@ -5,11 +5,12 @@ The contract (docs/engine.md): for every managed matrix each rank holds one cont
 hold the same elements, as under DDP or a replicate mesh dim). From every rank's ranges this module
 builds a :class:`Plan`, identical on all ranks:
 
-- owners: in ``owner`` mode one rank per matrix, chosen longest-processing-time-first on the
-  whitening cost model, balanced within each bucket; in ``replicated`` mode every rank computes
-  every matrix (the paper's "w/o MP");
-- buckets: consecutive matrices bounded in full-matrix fp32 bytes, so an owner's transient memory
-  is bounded; each bucket is one exchange in each direction;
+- buckets and owners: in ``owner`` mode one rank per matrix; each bucket is one exchange in each
+  direction and ends at its slowest owner, so matrices are grouped into buckets (not necessarily
+  consecutive) and owners to minimise Σ over buckets of the slowest owner's cost on the whitening
+  cost model, each owner assembling at most ``bucket_bytes`` of full fp32 matrices per bucket (one
+  larger matrix alone) so its transient memory is bounded; in ``replicated`` mode every rank
+  computes every matrix (the paper's "w/o MP"), in buckets of consecutive matrices;
 - sources: for each (matrix, computing rank) a disjoint cover of ``[0, numel)`` by ranges of the
   holders, preferring what the computing rank already holds (nothing is sent for it).
 
@@ -19,6 +20,8 @@ requires), overlapping the forward exchange of bucket k+1 with the math of bucke
 
 from __future__ import annotations
 
+import bisect
+import heapq
 import math
 from dataclasses import dataclass
 from typing import Callable, Hashable, Sequence
@@ -204,6 +207,18 @@ class Plan:
         mean = sum(sum(b) / len(b) for b in loads)
         return mx / mean if mean else 1.0
 
+    def slowest(self) -> float:
+        """Σ over buckets of the slowest rank's cost: the step's whitening time on the cost model."""
+        return sum(max(b) for b in self.owner_costs())
+
+    def bounds(self) -> tuple[float, float]:
+        """Lower bounds on :meth:`slowest` in owner mode: per bucket as cut, Σ_b max(cost(b)/W, largest
+        matrix of b); for the whole model unbucketed, max(total/W, largest matrix)."""
+        per_bucket = sum(max(sum(self.costs[m] for m in b.matrices) / self.world,
+                             max(self.costs[m] for m in b.matrices)) for b in self.buckets if b.matrices)
+        whole = max(sum(self.costs) / self.world, max(self.costs, default=0.0)) if self.world else 0.0
+        return per_bucket, whole
+
     # ---------------------------------------------------------------- per-rank schedules
     def forward_segments(self, bucket: Bucket, src: int, dst: int) -> list[Segment]:
         """Gradient segments ``src`` sends to ``dst`` in this bucket, in packing order."""
@@ -275,49 +290,204 @@ def build_plan(
     """Deterministic plan from the matrices and every rank's ranges (same input → same plan)."""
     if mode not in ("owner", "replicated"):
         raise ValueError(f"mode must be 'owner' or 'replicated', got {mode!r}")
-    world = len(ranges)
+    numels = [s.numel for s in specs]
     for r, rg in enumerate(ranges):
         if len(rg) != len(specs):
             raise ValueError(f"swan_dist: rank {r} reports {len(rg)} matrices, expected {len(specs)}")
-        for spec, (lo, hi) in zip(specs, rg):
-            if not 0 <= lo <= hi <= spec.numel:
-                raise ValueError(f"swan_dist: rank {r} holds invalid range [{lo}, {hi}) of {spec.key!r} ({spec.numel} elements)")
-    # A bucket holds up to `bucket_bytes` of full fp32 matrices per rank (world x that in all), so
-    # that balancing inside a bucket has ~world matrices' worth to spread and each owner's transient
-    # memory stays near `bucket_bytes`.
-    capacity = bucket_bytes * (world if mode == "owner" else 1)
-    buckets: list[Bucket] = []
-    current: list[int] = []
-    size = 0
-    for m, spec in enumerate(specs):
-        if current and size + 4 * spec.numel > capacity:
-            buckets.append(Bucket(current, {}))
-            current, size = [], 0
-        current.append(m)
-        size += 4 * spec.numel
-    if current:
-        buckets.append(Bucket(current, {}))
+        for spec, n, (lo, hi) in zip(specs, numels, rg):
+            if not 0 <= lo <= hi <= n:
+                raise ValueError(f"swan_dist: rank {r} holds invalid range [{lo}, {hi}) of {spec.key!r} ({n} elements)")
     costs = [float(cost(s)) for s in specs]
-    total = [0.0] * world
-    for b in buckets:
-        if mode == "replicated":
-            b.owners = {m: -1 for m in b.matrices}
-            continue
-        # LPT: most expensive first, to the least loaded rank in this bucket that still has room
-        # (then least loaded overall, then holding most of the matrix already, then lowest rank).
-        load = [0.0] * world
-        held_bytes = [0] * world
-        for m in sorted(b.matrices, key=lambda m: (-costs[m], m)):
-            nbytes = 4 * specs[m].numel
-            fits = [r for r in range(world) if held_bytes[r] + nbytes <= bucket_bytes] or list(range(world))
-            r = min(fits, key=lambda r: (load[r], total[r], -(ranges[r][m][1] - ranges[r][m][0]), r))
-            b.owners[m] = r
-            load[r] += costs[m]
-            total[r] += costs[m]
-            held_bytes[r] += nbytes
-    for m, spec in enumerate(specs):
-        cover([rg[m] for rg in ranges], 0, spec)  # every matrix must be fully held by someone
+    nbytes = [4 * n for n in numels]
+    if mode == "replicated":  # every rank computes every matrix: consecutive matrices, `bucket_bytes` each
+        buckets: list[Bucket] = []
+        current: list[int] = []
+        size = 0
+        for m in range(len(specs)):
+            if current and size + nbytes[m] > bucket_bytes:
+                buckets.append(Bucket(current, {k: -1 for k in current}))
+                current, size = [], 0
+            current.append(m)
+            size += nbytes[m]
+        if current:
+            buckets.append(Bucket(current, {k: -1 for k in current}))
+    else:
+        buckets = _owner_buckets(costs, nbytes, ranges, bucket_bytes)
+    for m, spec in enumerate(specs):  # every matrix must be fully held by someone (cover() names the hole)
+        pos = 0
+        for lo, hi in sorted(rg[m] for rg in ranges):
+            if lo > pos:
+                break
+            pos = max(pos, hi)
+        if pos < numels[m]:
+            cover([rg[m] for rg in ranges], 0, spec)
     return Plan(list(specs), [list(rg) for rg in ranges], buckets, mode, costs)
+
+
+# ------------------------------------------------------------------------------- owner planning
+# A bucket is a synchronisation point: its exchange waits for its slowest owner. A plan's cost on the
+# cost model is therefore Σ over buckets of the slowest owner's load, and within a bucket the owners
+# are interchangeable: planning first cuts the matrices into buckets of at most `world` *cells* (one
+# owner's share of a bucket, at most `bucket_bytes` of full fp32 matrices, or one larger matrix alone),
+# then gives each cell a rank, preferring ranks that already hold its matrices.
+Cells = list[list[int]]  # one bucket: its owners' shares, each a list of matrices
+
+
+def _owner_buckets(costs: Sequence[float], nbytes: Sequence[int], ranges: Sequence[Sequence[Range]],
+                   bucket_bytes: int) -> list[Bucket]:
+    world = len(ranges)
+    cap = world * bucket_bytes  # a bucket's full matrices in all; a larger matrix gets a bucket alone
+    ms = [m for m in range(len(costs)) if nbytes[m] <= cap]
+    alone = [m for m in range(len(costs)) if nbytes[m] > cap]
+    # Three constructions, the cheapest on the cost model kept (the first on ties): the first two are
+    # exact on repeated-layer models and each is weak where the other is strong on irregular mixes; the
+    # third is the earlier planner (consecutive buckets), so no plan is worse than it was.
+    candidates = [_fill_levels(ms, costs, nbytes, world, bucket_bytes),
+                  _split_owner_lists(ms, costs, nbytes, world, bucket_bytes),
+                  _consecutive(ms, costs, nbytes, world, bucket_bytes)]
+    cut = min((c for c in candidates if c is not None), key=lambda bs: (_slowest(bs, costs), len(bs)))
+    held = lambda r, m: ranges[r][m][1] - ranges[r][m][0]  # noqa: E731
+    out, total = [], [0.0] * world
+    for cells in cut:
+        owners: dict[int, int] = {}
+        free = list(range(world))
+        for cell in sorted(cells, key=lambda c: (-sum(costs[m] for m in c), min(c))):
+            # the rank already holding most of it, then the least loaded so far, then the lowest
+            r = max(free, key=lambda r: (sum(held(r, m) for m in cell), -total[r], -r))
+            free.remove(r)
+            total[r] += sum(costs[m] for m in cell)
+            owners.update((m, r) for m in cell)
+        out.append(Bucket(sorted(owners), {m: owners[m] for m in sorted(owners)}))
+    for m in alone:
+        r = max(range(world), key=lambda r: (held(r, m), -r))
+        out.append(Bucket([m], {m: r}))
+    return out
+
+
+def _slowest(buckets: Sequence[Cells], costs: Sequence[float]) -> float:
+    return sum(max(sum(costs[m] for m in cell) for cell in cells) for cells in buckets)
+
+
+def _fill_levels(ms: Sequence[int], costs: Sequence[float], nbytes: Sequence[int], world: int,
+                 cell_bytes: int) -> list[Cells]:
+    """Largest cost first, each matrix into the cell where it raises Σ over buckets of the bucket's
+    highest cell least (not at all where it fits under that height), the least loaded such cell with
+    byte room; a new bucket only where no cell has byte room. With one bucket this is LPT."""
+    full = cell_bytes + 1  # the bytes of a cell holding one matrix above `cell_bytes`: it takes no more
+    buckets: list[list] = []  # [height, bytes, cells [[load, bytes, matrices]], {(load, bytes): cell ids}]
+    for m in sorted(ms, key=lambda m: (-costs[m], -nbytes[m], m)):
+        c, n = costs[m], nbytes[m]
+        best = None
+        for k, (height, total, _, states) in enumerate(buckets):
+            if total + n > world * cell_bytes:
+                continue
+            for load, used in states:
+                if (used + n > cell_bytes) if n <= cell_bytes else used:
+                    continue
+                key = (max(0.0, load + c - height), load, k, -used)
+                if best is None or key < best[0]:
+                    best = (key, k, (load, used))
+        if best is None:
+            buckets.append([0.0, 0, [[0.0, 0, []] for _ in range(world)], {(0.0, 0): list(range(world))}])
+            k, state = len(buckets) - 1, (0.0, 0)
+        else:
+            _, k, state = best
+        b = buckets[k]
+        ids = b[3][state]
+        cid = ids.pop(0)
+        if not ids:
+            del b[3][state]
+        cell = b[2][cid]
+        cell[0] += c
+        cell[1] = cell[1] + n if n <= cell_bytes else full
+        cell[2].append(m)
+        b[0], b[1] = max(b[0], cell[0]), b[1] + n
+        ids = b[3].setdefault((cell[0], cell[1]), [])
+        ids.insert(bisect.bisect(ids, cid), cid)
+    return [[cell[2] for cell in b[2] if cell[2]] for b in buckets]
+
+
+def _consecutive(ms: Sequence[int], costs: Sequence[float], nbytes: Sequence[int], world: int,
+                 cell_bytes: int) -> list[Cells] | None:
+    """Consecutive matrices up to ``world * cell_bytes`` per bucket, LPT inside each bucket onto the
+    cells with byte room; ``None`` where some matrix finds no room."""
+    groups: list[list[int]] = []
+    size = 0
+    for m in ms:
+        if not groups or size + nbytes[m] > world * cell_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(m)
+        size += nbytes[m]
+    out: list[Cells] = []
+    for group in groups:
+        load, used, cells = [0.0] * world, [0] * world, [[] for _ in range(world)]
+        for m in sorted(group, key=lambda m: (-costs[m], m)):
+            room = [i for i in range(world)
+                    if (used[i] + nbytes[m] <= cell_bytes if nbytes[m] <= cell_bytes else not cells[i])]
+            if not room:
+                return None
+            i = min(room, key=lambda i: (load[i], i))
+            load[i] += costs[m]
+            used[i] += nbytes[m] if nbytes[m] <= cell_bytes else cell_bytes + 1
+            cells[i].append(m)
+        out.append([c for c in cells if c])
+    return out
+
+
+def _split_owner_lists(ms: Sequence[int], costs: Sequence[float], nbytes: Sequence[int], world: int,
+                       cell_bytes: int, extra: int = 3, tries: int = 12) -> list[Cells] | None:
+    """Owners by LPT over all matrices at once; each owner's matrices cut into K cells of balanced cost
+    (LPT into K cells with byte room), K the smallest count every owner fits into, or up to ``extra``
+    more where cheaper; bucket k takes every owner's k-th highest cell. ``None`` where no K among the
+    first ``tries`` from the byte lower bound fits every owner."""
+    heap = [(0.0, r) for r in range(world)]
+    lists: list[list[int]] = [[] for _ in range(world)]
+    for m in sorted(ms, key=lambda m: (-costs[m], -nbytes[m], m)):
+        load, r = heapq.heappop(heap)
+        lists[r].append(m)
+        heapq.heappush(heap, (load + costs[m], r))
+
+    def cut(own: list[int], k: int) -> list[list[int]] | None:
+        load, used, cells = [0.0] * k, [0] * k, [[] for _ in range(k)]
+        for m in own:
+            if nbytes[m] > cell_bytes:
+                room = [i for i in range(k) if not cells[i]]
+            else:
+                room = [i for i in range(k) if used[i] + nbytes[m] <= cell_bytes]
+            if not room:
+                return None
+            i = min(room, key=lambda i: (load[i], i))
+            load[i] += costs[m]
+            used[i] = used[i] + nbytes[m] if nbytes[m] <= cell_bytes else cell_bytes + 1
+            cells[i].append(m)
+        return [c for _, c in sorted(((load[i], cells[i]) for i in range(k) if cells[i]), key=lambda t: (-t[0], min(t[1])))]
+
+    k = max([1] + [sum(nbytes[m] > cell_bytes for m in own) + -(-sum(nbytes[m] for m in own if nbytes[m] <= cell_bytes) // cell_bytes)
+                   for own in lists])
+    best, fitted = None, 0
+    for k in range(k, k + tries):
+        if fitted > extra:
+            break
+        per_owner = [cut(own, k) for own in lists]
+        if any(c is None for c in per_owner):
+            continue
+        fitted += 1
+        buckets: list[Cells] = []
+        for i in range(max(len(c) for c in per_owner)):
+            cells, size = [], 0  # every owner's i-th cell; split where oversize cells exceed the bucket cap
+            for own in per_owner:
+                if i < len(own):
+                    b = sum(nbytes[m] for m in own[i])
+                    if cells and size + b > world * cell_bytes:
+                        buckets.append(cells)
+                        cells, size = [], 0
+                    cells.append(own[i])
+                    size += b
+            buckets.append(cells)
+        if best is None or _slowest(buckets, costs) < _slowest(best, costs):
+            best = buckets
+    return best
 
 
 class Exchange:
