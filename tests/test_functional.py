@@ -293,3 +293,33 @@ def test_compile_failure_falls_back_to_eager_once(monkeypatch):
     monkeypatch.setattr(F, "_COMPILE_STATE", {})
     swan_update(g)
     assert len(calls) == 1  # off: never compiled
+
+
+def test_auto_dtype_rule_and_bf16_tolerance(monkeypatch):
+    """'auto': NSDS in bf16 on CUDA and on CPUs with native bf16 (here: /proc/cpuinfo's flags, or
+    SWAN_DIST_CPU_BF16), fp32 otherwise and for NS; and on this machine's CPU a bf16 NSDS update stays
+    within the stated 2 % (relative Frobenius distance) of the fp32 update on tall, wide and square,
+    Gaussian and nearly low-rank gradients."""
+    import swan_dist.functional as F
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    nsds, ns = WhitenConfig(), WhitenConfig(method="ns", steps=10, beta=0.8)
+    assert F.resolve_dtype(nsds, cuda) == torch.bfloat16 and F.resolve_dtype(ns, cuda) == torch.float32
+    monkeypatch.setenv("SWAN_DIST_CPU_BF16", "1")
+    assert F.resolve_dtype(nsds, cpu) == torch.bfloat16 and F.resolve_dtype(ns, cpu) == torch.float32
+    monkeypatch.setenv("SWAN_DIST_CPU_BF16", "0")
+    assert F.resolve_dtype(nsds, cpu) == torch.float32
+    monkeypatch.delenv("SWAN_DIST_CPU_BF16")
+    assert (F.resolve_dtype(nsds, cpu) == torch.bfloat16) == F._cpuinfo_bf16()
+    assert F.resolve_dtype(WhitenConfig(dtype="float32"), cuda) == torch.float32  # explicit wins
+    g = torch.Generator().manual_seed(3)
+    for shape in [(6, 96, 96), (4, 256, 96), (4, 96, 256)]:
+        gauss = torch.randn(shape, generator=g)
+        lowrank = (torch.randn(shape[0], shape[1], 4, generator=g) @ torch.randn(shape[0], 4, shape[2], generator=g)
+                   + 0.01 * torch.randn(shape, generator=g))
+        for x in (gauss, lowrank):
+            u32, _ = swan_update(x, WhitenConfig(dtype="float32"))
+            u16, _ = swan_update(x, WhitenConfig(dtype="bfloat16"))
+            rel = ((u16 - u32).norm(dim=(-2, -1)) / u32.norm(dim=(-2, -1))).max()
+            assert rel < 0.02, (shape, float(rel))
+            assert rel > 1e-4  # bf16 really ran
