@@ -13,6 +13,11 @@ An adapter answers, for the tensors it claims:
 - ``adopt``: pieces for a param group whose tensors the framework replaced after the optimizer was
   built (DeepSpeed's flat fp32 partitions);
 - ``export_state`` / ``import_state``: the fallback state in its framework's checkpoint layout.
+
+Pieces that are a tensor itself (``tensor_piece`` of it: its whole storage flat, its gradient flat) are
+reused from step to step while the tensor keeps its storage, shape, strides and dtype: only the
+gradient views are re-pointed (:func:`reusable`, :func:`repoint`). An adapter whose pieces depend on
+anything else sets ``reuse_pieces = False``.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from torch import Tensor, nn
 from .routing import ROW_MAJOR, Layout
 
 __all__ = ["Adapter", "Member", "Piece", "StateSlot", "adapter_for", "members_of", "adopt", "prepare_model",
-           "name_bare_params", "optimizer_built"]
+           "name_bare_params", "optimizer_built", "reusable", "repoint", "registry_token", "tensor_key"]
 
 
 @dataclass(frozen=True)
@@ -109,6 +114,11 @@ class Adapter:
     suit a framework whose tensors are the parameters themselves."""
 
     name = "adapter"
+    # Whether a piece that is this adapter's tensor itself (see :func:`reusable`) may be reused at later
+    # steps while the tensor keeps its storage, shape, strides and dtype, its gradient views re-pointed.
+    # True suits adapters whose ``pieces`` depend only on the tensor, its gradient and metadata fixed when
+    # the model was wrapped (every in-tree adapter); set False otherwise.
+    reuse_pieces = True
 
     def prepare(self, model: nn.Module) -> None:
         """Record on a wrapped model's parameters what :meth:`pieces` needs (called by ``tag_model``)."""
@@ -159,6 +169,49 @@ def _registry() -> Sequence[Adapter]:
     from swan_dist.integrations import ADAPTERS  # the one place adapters are registered
 
     return ADAPTERS
+
+
+def registry_token() -> Sequence[Adapter]:
+    """The registry as it stands: pieces kept from a step are reused only under the same registry."""
+    return _registry()
+
+
+def tensor_key(tensor: Tensor) -> tuple:
+    """What a reused piece of ``tensor`` depends on: its storage, shape, strides and dtype."""
+    return tensor.data_ptr(), tensor.shape, tensor.stride(), tensor.dtype
+
+
+def reusable(adapter: Adapter, tensor: Tensor, pieces: Sequence[Piece]) -> bool:
+    """Whether ``pieces`` (just made by ``adapter`` for ``tensor``) are the tensor itself, so that a later
+    step may reuse them with :func:`repoint` while :func:`tensor_key` of the tensor is unchanged: one
+    piece, target and state slot the tensor, ``param`` its whole storage flat, ``grad`` its gradient flat
+    (checked against the gradient there is now; without one nothing is known, so no reuse)."""
+    if not adapter.reuse_pieces or len(pieces) != 1:
+        return False
+    pc, g = pieces[0], tensor.grad
+    try:
+        return (
+            g is not None and pc.grad is not None and pc.target is tensor and pc.target_grad is g
+            and pc.slot.key is tensor and pc.slot.index is None and tensor.layout is torch.strided
+            and g.layout is torch.strided and tensor.numel() > 0 and pc.param.dim() == 1 and pc.grad.dim() == 1
+            and pc.param.numel() == tensor.numel() == pc.hi - pc.lo and pc.param.data_ptr() == tensor.data_ptr()
+            and pc.grad.numel() == g.numel() and pc.grad.data_ptr() == g.data_ptr()
+        )
+    except (RuntimeError, NotImplementedError, AttributeError):  # tensors without storage (wrapper subclasses)
+        return False
+
+
+def repoint(piece: Piece, tensor: Tensor) -> bool:
+    """Point a reusable piece at ``tensor``'s current gradient (as ``tensor_piece`` would: flat, ``None``
+    without one); False where the gradient is not a strided tensor (the adapter then answers again)."""
+    g = tensor.grad
+    if g is None:
+        piece.grad = piece.target_grad = None
+        return True
+    if g.layout is not torch.strided:
+        return False
+    piece.grad, piece.target_grad = g.reshape(-1), g
+    return True
 
 
 def adapter_for(tensor: Tensor) -> Adapter:

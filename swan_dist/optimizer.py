@@ -11,6 +11,7 @@ Param groups are split on construction into SWAN groups (``use_swan=True``) and 
 
 from __future__ import annotations
 
+import operator
 import warnings
 import zlib
 from collections import Counter, defaultdict
@@ -21,10 +22,11 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim.adam import adam as _adam_functional
 
-from .adapter import Member, Piece, adapter_for, adopt, name_bare_params, optimizer_built
+from .adapter import (Member, Piece, adapter_for, adopt, name_bare_params, optimizer_built, registry_token, repoint,
+                      reusable, tensor_key)
 from .functional import WhitenConfig, resolve_dtype, swan_update
 from .presets import OPTIMIZER_KEYS, load_preset
-from .routing import Exchange, MatrixSpec, StepAgreement, build_plan, comm_device, split_rows
+from .routing import ROW_MAJOR, Exchange, MatrixSpec, StepAgreement, build_plan, comm_device, split_rows
 from .selection import Rule, classify, collapse_name, param_groups, tag_model, tagged_name
 
 __all__ = ["SWAN", "FALLBACKS"]
@@ -39,8 +41,17 @@ _BASE = dict(
 )
 assert set(_BASE) | {"lr"} == OPTIMIZER_KEYS
 
-# Largest stack of same-shape gradients whitened in one batched call (bounds transient memory).
+# Largest stack of same-shape gradients whitened in one batched call (bounds transient memory). On the
+# CPU the stack is kept about the size of a core's L2 cache instead: GradNorm, the rescale and the update
+# are a few passes each over the stack, memory-bound there, and several times faster on a stack that
+# stays in cache (the batch's Python costs the same per matrix either way, from 64x64 matrices up).
 _MAX_BATCH_BYTES = 256 << 20
+_CPU_BATCH_BYTES = 1 << 20
+# Bytes of updates the exchange hands back that are held before they are applied together (on the CPU,
+# _CPU_BATCH_BYTES): a bound on what they keep alive beyond the exchange's own buffers.
+_FLUSH_BYTES = 32 << 20
+_PLAIN = (Tensor, nn.Parameter)  # tensor types torch's foreach/fused kernels take without a subclass's dispatch
+_FUSED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
 def _whiten_config(group: dict) -> WhitenConfig:
@@ -62,6 +73,44 @@ def _check_group(group: dict) -> None:
     b1, b2 = group["betas"]
     if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
         raise ValueError(f"betas must lie in [0, 1), got {group['betas']}")
+
+
+class _Pending:
+    """Updates the exchange hands back one matrix at a time, applied (``p ← p·(1 − lr·α·wd) − lr·α·u``,
+    as :meth:`SWAN._apply`) with foreach kernels per (group, device, dtype) once ``limit`` bytes of them
+    are held, and at :meth:`flush`. Each piece receives one update per step, so the order is free."""
+
+    def __init__(self, opt: "SWAN", limit: int) -> None:
+        self.opt, self.limit, self.held = opt, limit, 0
+        self.sets: dict[tuple, tuple[dict, list[Tensor], list[Tensor]]] = {}
+
+    def add(self, group: dict, param: Tensor, u: Tensor) -> None:
+        dev, dt = param.device, param.dtype
+        if u.dtype != dt or u.device != dev:
+            u = u.to(dev, dt)
+        found = self.sets.get((id(group), dev, dt))
+        if found is None:
+            found = self.sets[(id(group), dev, dt)] = (group, [], [])
+        found[1].append(param)
+        found[2].append(u)
+        self.held += u.numel() * u.element_size()
+        if self.held >= self.limit:
+            self.flush()
+
+    def flush(self) -> None:
+        for group, params, updates in self.sets.values():
+            self.opt._apply_many(group, params, updates)
+        self.sets.clear()
+        self.held = 0
+
+
+def _scalar(value: float, like: Tensor) -> float | Tensor:
+    """``value`` as the scalar operand of a foreach multiply on tensors like ``like``: on the CPU a 0-d
+    fp32 tensor for fp32 tensors (the same fp32 product, without the per-tensor conversion of a Python
+    number, about 3x faster there); a Python float elsewhere."""
+    if like.device.type == "cpu" and like.dtype == torch.float32:
+        return torch.tensor(value, dtype=torch.float32)
+    return value
 
 
 def _rank0() -> bool:
@@ -153,6 +202,8 @@ class SWAN(torch.optim.Optimizer):
         self._origin: list[list[tuple[str, Tensor]]] = []  # per group: the (name, parameter) it was given
         self._packed: dict[Tensor, tuple[bool, ...]] = {}  # a tensor packing several parameters -> use_swan each
         self._agreement = StepAgreement()
+        self._reuse: dict[int, tuple] = {}  # id(tensor) -> (group, registry, tensor_key, piece): see _entries
+        self._hashes: tuple | None = None  # what the last config/layout hashes were computed from, and them
         self.nonfinite_skips: Counter[str] = Counter()
         self.whitened_matrices = 0  # matrices whitened so far (SWAN work done, for accounting)
         if isinstance(params, nn.Module):
@@ -202,7 +253,8 @@ class SWAN(torch.optim.Optimizer):
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         # unpickling: absent, so defaults; torch's load_state_dict also calls this: keep what is set
-        for key, default in (("process_group", None), ("_plan", None), ("_plans", {})):
+        for key, default in (("process_group", None), ("_plan", None), ("_plans", {}), ("_reuse", {}),
+                             ("_hashes", None)):
             self.__dict__.setdefault(key, default)
         self.__dict__.setdefault("_agreement", StepAgreement())
 
@@ -332,6 +384,12 @@ class SWAN(torch.optim.Optimizer):
                     self.state[p] = adapter_for(p).import_state(p, self.state[p], rules or (g["use_swan"],))
 
     # ------------------------------------------------------------------ step
+    # The step's bookkeeping is O(1) collectives and host syncs and little Python per parameter: pieces
+    # that are a tensor itself are reused while the tensor keeps its storage (only the gradient views are
+    # re-pointed), the finite checks are one foreach reduction per device and dtype, the configuration
+    # and layout hashes are recomputed only when a piece, a group's options or the groups changed, same
+    # shape matrices are GradNorm'ed, rescaled and applied as one stack, the fallback rules run torch's
+    # foreach (or, on the CPU, fused) kernels.
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         loss = None
@@ -339,12 +397,20 @@ class SWAN(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         world, group = self._world()
+        entries: list[tuple[dict, Piece]] = []
         try:
-            entries, failure = self._entries(group), None
-        except (ValueError, TypeError) as e:  # a layout check failed here: tell every rank, then all raise
-            if world == 1:
-                raise
-            entries, failure = [], e
+            try:
+                entries, failure = self._entries(group), None
+            except (ValueError, TypeError) as e:  # a layout check failed here: tell every rank, then all raise
+                if world == 1:
+                    raise
+                entries, failure = [], e
+            self._step(entries, failure, world, group)
+        finally:
+            self._release(entries)
+        return loss
+
+    def _step(self, entries: list, failure: Exception | None, world: int, group) -> None:
         pieces = [pc for _, pc in entries]
         local = world == 1 or self._mode(world) == "local"
         device = self._comm_device(pieces) if world > 1 else None
@@ -355,8 +421,8 @@ class SWAN(torch.optim.Optimizer):
                 codes[torch.tensor(part, device=codes.device)] = 3
         layout_key = None
         if world > 1:
-            cfg_hash = self._config_hash(entries)
-            status, flags = self._agreement(codes, cfg_hash, self._layout_hash(pieces), group, failure is not None)
+            cfg_hash, layout_hash = self._hashes_of(entries, pieces)
+            status, flags = self._agreement(codes, cfg_hash, layout_hash, group, failure is not None)
             if status == "failed":
                 self._raise_rank_failure(failure, group)
             if status == "mismatch":
@@ -382,88 +448,180 @@ class SWAN(torch.optim.Optimizer):
             warnings.warn(f"SWAN: non-finite gradient, update skipped for {names[:8]}", RuntimeWarning)
         skip = {i for i, c in enumerate(flags) if c != 1}  # non-finite anywhere, or no gradient anywhere
         todo: dict[int, list[Piece]] = defaultdict(list)  # fallback pieces per group, in group order
+        swan: list[int] = []
         for i, (g, pc) in enumerate(entries):
-            if not g["use_swan"] and i not in skip and pc.target_grad is not None:
+            if g["use_swan"]:
+                swan.append(i)
+            elif pc.target_grad is not None and i not in skip:
                 todo[id(g)].append(pc)
         for g in self.param_groups:
             if todo.get(id(g)):
                 getattr(self, f"_fallback_{g['fallback']}")(g, todo[id(g)])
-        swan = [i for i, (g, _) in enumerate(entries) if g["use_swan"]]
         if local:
             self._swan_local(entries, [i for i in swan if i not in skip and pieces[i].grad is not None])
         elif swan:  # the agreed config hash covers the entries: every rank takes this branch or none does
             self._swan_distributed(entries, swan, skip, layout_key, group, device)
-        return loss
 
     def _entries(self, group) -> list[tuple[dict, Piece]]:
         """(param group, this rank's piece) per logical parameter. A tensor packing several parameters
-        gives one entry each; a group whose tensors a framework replaced is adopted through the adapters."""
-        entries = []
+        gives one entry each; a group whose tensors a framework replaced is adopted through the adapters.
+
+        A piece that is the tensor itself (:func:`swan_dist.adapter.reusable`) is kept for the next step,
+        which reuses it while the tensor is in the same group under the same adapter registry with the
+        same storage, shape, strides and dtype, re-pointing only its gradient views; anything else asks
+        the adapter again."""
+        entries: list[tuple[dict, Piece]] = []
+        registry = registry_token()
+        reuse, kept = self._reuse, {}
+        self._reuse = kept  # tensors no longer in a group are dropped
         for gi, g in enumerate(self.param_groups):
-            origin = self._origin[gi]
-            if len(origin) != len(g["params"]) or any(p is not q for (_, q), p in zip(origin, g["params"])):
-                found, one_to_one = adopt(origin, g["params"], g["use_swan"], gi, group)
+            origin, params = self._origin[gi], g["params"]
+            if len(origin) != len(params) or not all(map(operator.is_, params, (q for _, q in origin))):
+                found, one_to_one = adopt(origin, params, g["use_swan"], gi, group)
                 if one_to_one:  # the new tensors stand for the old for good; hold no reference to the old
-                    self._origin[gi] = [(n, p) for (n, _), p in zip(origin, g["params"])]
+                    self._origin[gi] = [(n, p) for (n, _), p in zip(origin, params)]
                 entries += [(g, pc) for pc in found]
                 continue
-            swan_g = {**g, "use_swan": True}  # this group's options, for a packed tensor's SWAN members
-            for p, name in self._named(g):
+            swan_g = None  # this group's options, for a packed tensor's SWAN members
+            for i, p in enumerate(params):
+                hit = reuse.get(id(p))  # (keyed by id: a tensor's hash is a Python call; the piece holds p)
+                if (hit is not None and hit[0] is g and hit[1] is registry and hit[3].target is p
+                        and hit[2] == tensor_key(p) and repoint(hit[3], p)):
+                    kept[id(p)] = hit
+                    entries.append((g, hit[3]))
+                    continue
+                name = self._name(g, i, p)
                 rules = self._packed.get(p)
-                found = adapter_for(p).pieces(p, name, rules or (g["use_swan"],))
+                adapter = adapter_for(p)
+                found = adapter.pieces(p, name, rules or (g["use_swan"],))
                 if rules is None:
                     entries.append((g, found[0]))
+                    if reusable(adapter, p, found):
+                        kept[id(p)] = (g, registry, tensor_key(p), found[0])
                 else:
+                    if swan_g is None:
+                        swan_g = {**g, "use_swan": True}
                     entries += [(swan_g if use else g, pc) for use, pc in zip(rules, found)]
         return entries
 
+    def _release(self, entries: list) -> None:
+        """After a step no piece the optimizer holds (kept for reuse, or remembered by :meth:`_hashes_of`)
+        holds a gradient: it is freed when the caller drops it."""
+        for hit in self._reuse.values():
+            hit[3].grad = hit[3].target_grad = None
+        for _, pc in entries:
+            pc.grad = pc.target_grad = None
+
+    @staticmethod
+    def _name(group: dict, i: int, p: Tensor) -> str:
+        names = group.get("param_names")
+        return names[i] if names else tagged_name(p) or f"<param {i} of shape {list(p.shape)}>"
+
     @staticmethod
     def _named(group: dict) -> list[tuple[Tensor, str]]:
-        names = group.get("param_names") or [
-            tagged_name(p) or f"<param {i} of shape {list(p.shape)}>" for i, p in enumerate(group["params"])
-        ]
-        return list(zip(group["params"], names))
+        return [(p, SWAN._name(group, i, p)) for i, p in enumerate(group["params"])]
 
     @staticmethod
     def _grad_codes(pieces: list[Piece], device: torch.device | None) -> Tensor:
         """Per piece: 0 no local gradient, 1 finite, 2 NaN/Inf, as an int32 tensor on ``device`` (the
-        communication device; the CPU without one), computed without a host sync."""
+        communication device; the CPU without one), computed without a device sync: one foreach
+        reduction per device and dtype (:meth:`_finite`)."""
         out = torch.zeros(len(pieces), dtype=torch.int32, device=device or "cpu")
-        by_device: defaultdict = defaultdict(list)
+        by_kind: defaultdict = defaultdict(list)
         for i, pc in enumerate(pieces):
-            if pc.grad is not None:
-                by_device[pc.grad.device].append((i, pc.grad))
-        for items in by_device.values():
-            finite = torch.stack([g.isfinite().all() for _, g in items])
-            idx = torch.tensor([i for i, _ in items], device=out.device)
-            out[idx] = 2 - finite.to(out.device, torch.int32)
+            g = pc.grad
+            if g is not None:
+                by_kind[(g.device, g.dtype, g.layout is torch.strided and g.numel() > 0)].append((i, g))
+        for (dev, _, foreach), items in by_kind.items():
+            grads = [g for _, g in items]
+            # empty or sparse gradients: one check each
+            finite = SWAN._finite(grads) if foreach else torch.stack([g.isfinite().all() for g in grads])
+            codes = 2 - finite.to(out.device, torch.int32)
+            if len(items) == len(pieces):
+                return codes
+            out[torch.tensor([i for i, _ in items], device=out.device)] = codes
         return out
 
+    @staticmethod
+    def _finite(grads: list[Tensor]) -> Tensor:
+        """Whether each gradient (strided, non-empty, all on one device with one dtype) is all finite, as
+        a bool tensor on that device. On an accelerator: one foreach max-abs reduction, which NaN and Inf
+        survive and finite values never overflow; no host sync. On the CPU (where max-abs reductions are
+        several times slower and a host read costs nothing): one foreach 2-norm, each norm that is not
+        finite (NaN/Inf, or finite entries beyond ~1e19 whose squares overflow) checked again exactly."""
+        if grads[0].device.type != "cpu":
+            return torch.stack(torch._foreach_norm(grads, float("inf"))).isfinite()
+        finite = torch.stack(torch._foreach_norm(grads, 2)).isfinite()
+        if not bool(finite.all()):
+            for j in (~finite).nonzero().flatten().tolist():
+                finite[j] = grads[j].isfinite().all()
+        return finite
+
     # ------------------------------------------------------------------ SWAN matrices
-    def _apply(self, group: dict, param: Tensor, update: Tensor) -> None:
+    @staticmethod
+    def _factors(group: dict) -> tuple[float, float]:
+        """(lr·α, 1 − lr·α·wd) of a SWAN group: ``p ← p·decay − lr·α·ΔW``."""
         lr = float(group["lr"]) * float(group["alpha"])
-        wd = float(group["weight_decay"])
-        if wd:
-            param.mul_(1.0 - lr * wd)
+        return lr, 1.0 - lr * float(group["weight_decay"])
+
+    def _apply(self, group: dict, param: Tensor, update: Tensor) -> None:
+        lr, decay = self._factors(group)
+        if decay != 1.0:
+            param.mul_(decay)
         param.add_(update.to(param.device, param.dtype), alpha=-lr)
 
+    def _apply_many(self, group: dict, params: list[Tensor], updates: list[Tensor]) -> None:
+        """:meth:`_apply` for many same-device, same-dtype params and updates, with foreach kernels."""
+        lr, decay = self._factors(group)
+        if decay != 1.0:
+            torch._foreach_mul_(params, _scalar(decay, params[0]))
+        torch._foreach_add_(params, updates, alpha=-lr)
+
     def _swan_local(self, entries: list, todo: list[int]) -> None:
-        """Every matrix whole on this rank: whiten here, batched over same shape and config."""
+        """Every matrix whole on this rank: whiten here, batched over same shape and config, the updates
+        applied per stack with foreach kernels."""
         batches: defaultdict = defaultdict(list)
+        cfgs: dict[int, WhitenConfig] = {}
         for i in todo:
             g, pc = entries[i]
             if pc.grad.is_sparse:
                 raise RuntimeError("SWAN does not support sparse gradients")
-            batches[(pc.shape, pc.grad.dtype, pc.grad.device, _whiten_config(g), pc.split)].append(i)
+            cfg = cfgs.get(id(g))
+            if cfg is None:
+                cfg = cfgs[id(g)] = _whiten_config(g)
+            batches[(pc.shape, pc.grad.dtype, pc.grad.device, cfg, pc.split)].append(i)
         for (shape, _, _, cfg, split), idx in batches.items():
-            per = max(1, _MAX_BATCH_BYTES // max(1, 4 * torch.Size(shape).numel()))
+            numel = torch.Size(shape).numel()
+            bound = _CPU_BATCH_BYTES if entries[idx[0]][1].grad.device.type == "cpu" else _MAX_BATCH_BYTES
+            per = max(1, bound // max(1, 4 * numel))
             for k in range(0, len(idx), per):
                 chunk = [entries[i] for i in idx[k : k + per]]
-                stack = torch.stack([pc.layout.to_full(pc.grad, shape) for _, pc in chunk])
+                plain = all(pc.layout is ROW_MAJOR or not pc.layout.col_splits for _, pc in chunk)
+                if plain:  # row-major: the flat gradients are the matrices' elements in order
+                    stack = torch.stack([pc.grad for _, pc in chunk]).view(len(chunk), *shape)
+                else:
+                    stack = torch.stack([pc.layout.to_full(pc.grad, shape) for _, pc in chunk])
                 upd = split_rows(stack, split, lambda x: swan_update(x, cfg)[0])
-                for (g, pc), u in zip(chunk, upd):
-                    self._apply(g, pc.param, pc.layout.from_full(u))
+                if plain:
+                    self._apply_stack(chunk, upd.reshape(len(chunk), numel))
+                else:
+                    for (g, pc), u in zip(chunk, upd):
+                        self._apply(g, pc.param, pc.layout.from_full(u))
                 self.whitened_matrices += len(chunk) * max(1, torch.Size(shape[:-2]).numel()) * max(1, len(split))
+
+    def _apply_stack(self, chunk: list, rows: Tensor) -> None:
+        """Row j of ``rows`` is the flat update of ``chunk[j]``'s piece: applied per (group, device, dtype)
+        with foreach kernels, the update cast once per stack as :meth:`_apply` casts each."""
+        sets: dict[tuple, tuple[dict, list[int]]] = {}
+        for j, (g, pc) in enumerate(chunk):
+            sets.setdefault((id(g), pc.param.device, pc.param.dtype), (g, []))[1].append(j)
+        cast: dict[tuple, Tensor] = {}
+        for (_, dev, dt), (g, js) in sets.items():
+            u = cast.get((dev, dt))
+            if u is None:
+                u = cast[(dev, dt)] = rows.to(dev, dt)
+            self._apply_many(g, [chunk[j][1].param for j in js], list(u.unbind(0)) if len(js) == len(chunk)
+                             else [u[j] for j in js])
 
     def _swan_distributed(self, entries, swan, skip, layout_key, group, device) -> None:
         """Owner / replicated engine: whiten each matrix on its owner(s), updates back to the holders.
@@ -481,11 +639,13 @@ class SWAN(torch.optim.Optimizer):
                 self._plans.clear()
             self._plans[layout_key] = self._plan
         local_skip = {m for m, i in enumerate(swan) if i in skip}
+        pending = _Pending(self, _CPU_BATCH_BYTES if device.type == "cpu" else _FLUSH_BYTES)
 
         def on_update(m: int, u: Tensor) -> None:
-            self._apply(entries[swan[m]][0], pieces[m].param, u)
+            pending.add(entries[swan[m]][0], pieces[m].param, u)
 
         self.whitened_matrices += self._plan.run([pc.grad for pc in pieces], local_skip, on_update)
+        pending.flush()
 
     # ------------------------------------------------------------------ distributed bookkeeping
     def _world(self) -> tuple[int, dist.ProcessGroup | None]:
@@ -519,6 +679,29 @@ class SWAN(torch.optim.Optimizer):
     def _layout_hash(pieces: list[Piece]) -> int:
         return zlib.crc32(repr([(pc.lo, pc.hi) for pc in pieces]).encode())
 
+    def _hashes_of(self, entries: list, pieces: list[Piece]) -> tuple[int, int]:
+        """(:meth:`_config_hash`, :meth:`_layout_hash`), recomputed only when what they read may differ
+        from the last step: another piece object in some place (pieces are immutable but for their
+        gradient views), another group for some entry, or some group's options."""
+        keys = sorted(OPTIMIZER_KEYS) + ["use_swan"]
+        where: dict[int, int] = {}
+        groups: list[tuple] = []
+        owner = []
+        for g, _ in entries:
+            k = where.get(id(g))
+            if k is None:
+                k = where[id(g)] = len(groups)
+                groups.append(tuple(repr(g.get(key)) for key in keys))
+            owner.append(k)
+        token = (groups, owner, self.mode, self.bucket_mb)
+        last = self._hashes
+        if (last is not None and last[0] == token and len(last[1]) == len(pieces)
+                and all(map(operator.is_, last[1], pieces))):
+            return last[2]
+        hashes = self._config_hash(entries), self._layout_hash(pieces)
+        self._hashes = (token, pieces, hashes)
+        return hashes
+
     @staticmethod
     def _raise_rank_failure(failure: Exception | None, group) -> None:
         """Every rank calls this together: the first failing rank's error, raised on all."""
@@ -550,7 +733,19 @@ class SWAN(torch.optim.Optimizer):
     # ------------------------------------------------------------------ fallback rules
     # Each updates its pieces' targets from their target gradients, with state where the piece's
     # adapter put it (``Piece.slot``): whole tensors of the target's shape, or a span of a packed
-    # tensor's compact state.
+    # tensor's compact state. torch's foreach kernels run them over every piece of a kind at once
+    # (plain tensors on one device and dtype; others, e.g. DTensors, in lists of their own type), and
+    # on the CPU torch's fused AdamW.
+    @staticmethod
+    def _kinds(pieces: list[Piece]) -> list[list[Piece]]:
+        """Pieces in lists a foreach kernel takes at once: same target type, device and dtype, and same
+        gradient dtype, in order."""
+        kinds: dict[tuple, list[Piece]] = {}
+        for pc in pieces:
+            t, g = pc.target, pc.target_grad
+            kinds.setdefault((type(t), t.device, t.dtype, type(g), g.dtype), []).append(pc)
+        return list(kinds.values())
+
     def _fallback_adamw(self, group: dict, pieces: list[Piece]) -> None:
         exp_avgs, exp_avg_sqs, steps = [], [], []
         for pc in pieces:
@@ -571,22 +766,58 @@ class SWAN(torch.optim.Optimizer):
             exp_avg_sqs.append(st["exp_avg_sq"][s.a:s.b])
             steps.append(st["step"][s.index])
         b1, b2 = group["betas"]
-        _adam_functional(
-            [pc.target for pc in pieces], [pc.target_grad for pc in pieces], exp_avgs, exp_avg_sqs, [], steps,
-            decoupled_weight_decay=True, amsgrad=False, beta1=b1, beta2=b2, lr=group["lr"],
-            weight_decay=group["weight_decay"], eps=group["eps"], maximize=False,
-        )
+        at = {id(pc): j for j, pc in enumerate(pieces)}
+        for kind in self._kinds(pieces):
+            js = [at[id(pc)] for pc in kind]
+            targets, grads = [pc.target for pc in kind], [pc.target_grad for pc in kind]
+            m, v, st = [exp_avgs[j] for j in js], [exp_avg_sqs[j] for j in js], [steps[j] for j in js]
+            _adam_functional(
+                targets, grads, m, v, [], st, decoupled_weight_decay=True, amsgrad=False, beta1=b1, beta2=b2,
+                lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"], maximize=False,
+                **({"fused": True} if self._fusable(targets, grads, m, v, st) else {"foreach": True}),
+            )
+
+    @staticmethod
+    def _fusable(targets: list[Tensor], grads: list[Tensor], *states: list[Tensor]) -> bool:
+        """torch's fused AdamW takes these: plain contiguous CPU tensors of one floating dtype, fp32 step
+        counters on the same device. On accelerators the step counters live on the CPU (as torch's own
+        non-fused AdamW keeps them, and as checkpoints hold them), which the fused kernel does not take:
+        foreach there."""
+        t0 = targets[0]
+        if type(t0) not in _PLAIN or t0.device.type != "cpu" or t0.dtype not in _FUSED_DTYPES:
+            return False
+        dtype = t0.dtype
+        for t, g, m, v, s in zip(targets, grads, *states):
+            if (type(g) not in _PLAIN or g.dtype != dtype or m.dtype != dtype or v.dtype != dtype
+                    or not isinstance(s, Tensor) or s.device.type != "cpu" or s.dtype != torch.float32
+                    or not (t.is_contiguous() and g.is_contiguous() and m.is_contiguous() and v.is_contiguous())):
+                return False
+        return True
 
     def _fallback_sign(self, group: dict, pieces: list[Piece]) -> None:
         lr, wd = float(group["lr"]), float(group["weight_decay"])
-        for pc in pieces:
+        for kind in self._kinds(pieces):
+            targets, grads = [pc.target for pc in kind], [pc.target_grad for pc in kind]
+            if type(targets[0]) not in _PLAIN or type(grads[0]) not in _PLAIN:  # (a subclass: one at a time)
+                for t, g in zip(targets, grads):
+                    if wd:
+                        t.mul_(1.0 - lr * wd)
+                    t.add_(g.sign(), alpha=-lr)
+                continue
             if wd:
-                pc.target.mul_(1.0 - lr * wd)
-            pc.target.add_(pc.target_grad.sign(), alpha=-lr)
+                torch._foreach_mul_(targets, _scalar(1.0 - lr * wd, targets[0]))
+            torch._foreach_add_(targets, torch._foreach_sign(grads), alpha=-lr)
 
     def _fallback_sgd(self, group: dict, pieces: list[Piece]) -> None:
         lr, wd = float(group["lr"]), float(group["weight_decay"])
-        for pc in pieces:
+        for kind in self._kinds(pieces):
+            targets, grads = [pc.target for pc in kind], [pc.target_grad for pc in kind]
+            if type(targets[0]) not in _PLAIN or type(grads[0]) not in _PLAIN:
+                for t, g in zip(targets, grads):
+                    if wd:
+                        t.mul_(1.0 - lr * wd)
+                    t.add_(g, alpha=-lr)
+                continue
             if wd:
-                pc.target.mul_(1.0 - lr * wd)
-            pc.target.add_(pc.target_grad, alpha=-lr)
+                torch._foreach_mul_(targets, _scalar(1.0 - lr * wd, targets[0]))
+            torch._foreach_add_(targets, grads, alpha=-lr)
