@@ -30,8 +30,9 @@ def _env(**extra):
     return env
 
 
-def _run_nodes(cmd: list[str], node_envs: list[dict[str, str]]) -> None:
-    """Start ``cmd`` once per "node" (its environment) at the same time; every node must succeed."""
+def _run_nodes(cmd: list[str], node_envs: list[dict[str, str]]) -> str:
+    """Start ``cmd`` once per "node" (its environment) at the same time; every node must succeed.
+    Returns the nodes' outputs, joined."""
     nodes = [subprocess.Popen(cmd, env=_env(**e), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for e in node_envs]
     try:
@@ -40,6 +41,7 @@ def _run_nodes(cmd: list[str], node_envs: list[dict[str, str]]) -> None:
         for p in nodes:
             p.kill()
     assert all(p.returncode == 0 for p in nodes), "\n".join(o[-3000:] for o in outs)
+    return "\n".join(outs)
 
 
 def _summaries(tmp_path) -> tuple[dict, dict]:
@@ -90,5 +92,37 @@ def test_deepspeed_launcher_hostfile_two_nodes_matches_one_node(tmp_path):
     assert b["whitened_matrices"] == a["whitened_matrices"] == 6 * 7 * 2
     assert abs(a["final_val_loss"] - b["final_val_loss"]) < 1e-5
     wa, wb = torch.load(tmp_path / "single" / "model.pt"), torch.load(tmp_path / "multi" / "model.pt")
+    for k in wa:
+        assert torch.equal(wa[k], wb[k]), k
+
+
+RESTART_ARGS = ["--set", "parallel=fsdp2", "optimizer=swan", "lr=null", "steps=8", "eval_every=4", "log_every=2",
+                "save_model=true", "swan_mode=owner", "checkpoint_every=3", "dist_timeout_s=60"]  # fmt: skip
+
+
+@pytest.mark.timeout(300)
+def test_two_node_restart_after_sigkill_matches_uninterrupted(tmp_path):
+    """Two torchrun agents (c10d rendezvous, --max-restarts 1, TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 as
+    docs/launch.md says for several nodes): the process on "node" 1 SIGKILLs itself after step 5, both
+    agents restart their workers, which resume from step_3 and end with the uninterrupted two-node
+    run's weights bit for bit."""
+    smoke = str(REPO / "configs" / "train" / "smoke.yaml")
+    for run, kill in (("ref", None), ("faulted", "1:5")):
+        port = _port()
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
+               "--max-restarts", "1", "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}",
+               "--rdzv_id", f"restart{port}", "-m", "swan_dist.reference.train", "--config", smoke, *RESTART_ARGS,
+               f"out_dir={tmp_path / run}"]  # fmt: skip
+        extra = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", **({"SWAN_DIST_FAULT_KILL": kill} if kill else {})}
+        log = _run_nodes(cmd, [extra, extra])
+        if kill:
+            assert "rank 1: SWAN_DIST_FAULT_KILL, SIGKILL at step 5" in log, log[-4000:]
+            assert f"resumed from {tmp_path / run / 'checkpoints' / 'step_3'} (step 3" in log, log[-4000:]
+        else:
+            assert "resumed from" not in log
+    rows = {run: (tmp_path / run / "metrics.jsonl").read_text().splitlines() for run in ("ref", "faulted")}
+    assert [json.loads(r)["step"] for r in rows["faulted"]] == [json.loads(r)["step"] for r in rows["ref"]]
+    assert sorted(p.name for p in (tmp_path / "faulted" / "checkpoints").iterdir()) == ["step_3", "step_6"]
+    wa, wb = torch.load(tmp_path / "ref" / "model.pt"), torch.load(tmp_path / "faulted" / "model.pt")
     for k in wa:
         assert torch.equal(wa[k], wb[k]), k

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import datetime
 import hashlib
 import json
 import math
 import os
+import signal
 import time
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import nullcontext
@@ -33,6 +35,7 @@ from tqdm import tqdm
 from swan_dist.memory import client_optimizer, state_bytes
 from swan_dist.selection import clean_name
 
+from . import checkpoint
 from .data import TextData, WindowSampler, build_data, eval_batches
 from .model import Llama, model_config
 
@@ -72,6 +75,10 @@ class TrainConfig:
     backend: str = "auto"  # auto | gloo | nccl
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "float32"  # float32 | bfloat16 (autocast)
+    checkpoint_every: int = 0  # save out_dir/checkpoints/step_N every this many steps; 0: never
+    keep_checkpoints: int = 2  # complete checkpoints kept (older ones are deleted); 0: keep all
+    resume: str = "auto"  # auto: the latest complete checkpoint in out_dir, if any | never | a path
+    dist_timeout_s: float = 300.0  # process-group timeout: a rank whose peers died fails within it
 
     def __post_init__(self) -> None:
         if isinstance(self.model, str):
@@ -80,7 +87,8 @@ class TrainConfig:
             raise ValueError("model.vocab_size comes from the tokenizer; set the top-level vocab_size instead")
         overrides = {k: v for k, v in self.model.items() if k != "size"}
         model_config(self.model.get("size", "tiny"), **overrides)  # validates size and option names
-        for name in ("val_fraction", "lr", "weight_decay", "warmup_ratio", "min_lr_ratio", "grad_clip"):
+        for name in ("val_fraction", "lr", "weight_decay", "warmup_ratio", "min_lr_ratio", "grad_clip",
+                     "dist_timeout_s"):
             value = getattr(self, name)
             if value is not None:  # YAML reads "1e-3" (no dot) as a string
                 setattr(self, name, float(value))
@@ -95,6 +103,14 @@ class TrainConfig:
         for name in ("steps", "batch_size", "grad_accum", "seq_len", "eval_every", "eval_batches", "log_every"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"config {name} must be >= 1")
+        for name in ("checkpoint_every", "keep_checkpoints"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
+                raise ValueError(f"config {name} must be an integer >= 0")
+        if self.dist_timeout_s <= 0:
+            raise ValueError("config dist_timeout_s must be > 0")
+        self.resume = str(self.resume)
+        if not self.resume:
+            raise ValueError("config resume: auto, never, or a checkpoint path")
         if (self.parallel == "deepspeed") != (self.deepspeed_config is not None):
             raise ValueError("config deepspeed_config is required with parallel: deepspeed, and only then")
         if self.deepspeed_config is not None:
@@ -220,10 +236,22 @@ def setup_distributed(cfg: TrainConfig) -> DistEnv:
     owns = False
     if cfg.parallel != "none" and not dist.is_initialized():
         backend = cfg.backend if cfg.backend != "auto" else ("nccl" if use_cuda else "gloo")
-        if "MASTER_ADDR" in os.environ:
-            dist.init_process_group(backend, rank=rank, world_size=world)
+        timeout = datetime.timedelta(seconds=cfg.dist_timeout_s)
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+        shared_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        if "MASTER_ADDR" in os.environ and attempt is not None and shared_store:
+            # torchrun (c10d rendezvous) shares its TCPStore with the workers, and the keys of an earlier
+            # attempt (a rank's old gloo/NCCL address) are still there after a restart: this attempt's
+            # keys go under their own prefix (pytorch/pytorch#135712). The count is each agent's own: if
+            # agents restart for different reasons (several nodes) they disagree; there, start torchrun
+            # with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (a fresh store each attempt, no prefix needed).
+            store, _, _ = next(dist.rendezvous("env://", rank, world, timeout=timeout))
+            dist.init_process_group(backend, store=dist.PrefixStore(f"swan_dist/attempt_{attempt}", store),
+                                    rank=rank, world_size=world, timeout=timeout)  # fmt: skip
+        elif "MASTER_ADDR" in os.environ:
+            dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
         else:  # plain `python -m ...` with parallel: ddp: a one-process group
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
         owns = True
     return DistEnv(rank, world, local_rank, device, owns)
 
@@ -451,11 +479,15 @@ def train_step(
 
 
 class MetricsLog:
-    """Metric rows, kept on every rank; rank 0 also appends them to ``metrics.jsonl`` as they come."""
+    """Metric rows, kept on every rank; rank 0 also appends them to ``metrics.jsonl`` as they come.
+    A resumed run starts from the checkpoint's rows: the file is rewritten with those (dropping rows
+    logged after the checkpoint, which the resumed run logs again) and continues from there."""
 
-    def __init__(self, path: Path | None) -> None:
+    def __init__(self, path: Path | None, rows: Sequence[dict[str, Any]] = ()) -> None:
         self.rows: list[dict[str, Any]] = []
         self._file = open(path, "w") if path is not None else None
+        for row in rows:
+            self.add(row)
 
     def add(self, row: dict[str, Any]) -> None:
         self.rows.append(row)
@@ -475,8 +507,26 @@ def _whitened(optimizer: torch.optim.Optimizer, env: DistEnv) -> int | None:
     return int(_all_reduce_sum(torch.tensor(float(count), device=env.device)).item())
 
 
+def _fault_injection(step: int, env: DistEnv) -> None:
+    """Tests only: ``SWAN_DIST_FAULT_KILL=RANK:STEP`` makes that rank SIGKILL itself after that step's
+    optimizer step, on a job's first attempt only (torchrun's TORCHELASTIC_RESTART_COUNT 0 or unset)."""
+    spec = os.environ.get("SWAN_DIST_FAULT_KILL")
+    if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return
+    rank, _, at = spec.partition(":")
+    if int(rank) == env.rank and int(at) == step:
+        print(f"rank {env.rank}: SWAN_DIST_FAULT_KILL, SIGKILL at step {step}", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 def train(cfg: TrainConfig, env: DistEnv) -> dict[str, Any]:
     out_dir = Path(cfg.out_dir)
+    resume_from = checkpoint.find(cfg.resume, cfg.out_dir)
+    meta = checkpoint.read_meta(resume_from, cfg.parallel, env.world_size) if resume_from else None
+    if meta is not None and meta["step"] > cfg.steps:
+        raise ValueError(f"{resume_from} is at step {meta['step']}, past this run's steps={cfg.steps}")
+    if cfg.resume == "never" and env.is_main:
+        checkpoint.clear(cfg.out_dir)  # a fresh start leaves no other run's checkpoints for resume: auto
     if not env.is_main:  # rank 0 builds the data cache, the others then read it
         _barrier()
     data = build_data(cfg.data, vocab_size=cfg.vocab_size, val_fraction=cfg.val_fraction)
@@ -507,30 +557,55 @@ def train(cfg: TrainConfig, env: DistEnv) -> dict[str, Any]:
         optimizer = build_optimizer(cfg, owner)
         scheduler = build_scheduler(cfg, optimizer)
     sampler = WindowSampler(data.train, cfg.seq_len, cfg.batch_size, seed=cfg.seed, rank=env.rank)
-    log = MetricsLog(out_dir / "metrics.jsonl" if env.is_main else None)
-
-    eval_seconds = 0.0  # excluded from throughput
+    clock = {"eval_seconds": 0.0}  # eval time, excluded from throughput
 
     def timed_eval() -> float:
-        nonlocal eval_seconds
         t = time.perf_counter()
         loss = evaluate(wrapped, data, cfg, env)
-        eval_seconds += time.perf_counter() - t
+        clock["eval_seconds"] += time.perf_counter() - t
         return loss
 
-    start = time.perf_counter()
-    initial_val = timed_eval()
-    log.add({"step": 0, "tokens": 0, "val_loss": initial_val, "lr": [g["lr"] for g in optimizer.param_groups]})
     loss_sum, loss_steps, last_tokens, last_time = torch.zeros((), device=env.device), 0, 0, 0.0
-    bar = tqdm(range(1, cfg.steps + 1), disable=not env.is_main, desc="train", dynamic_ncols=True)
+    start_step, start_tokens, whitened_offset = 0, 0, 0
+    if resume_from is not None:
+        mine = checkpoint.load(resume_from, rank=env.rank, world_size=env.world_size, seed=cfg.seed,
+                               wrapped=wrapped, optimizer=optimizer, scheduler=scheduler, sampler=sampler,
+                               deepspeed=cfg.parallel == "deepspeed")  # fmt: skip
+        start_step, start_tokens = meta["step"], meta["tokens"]
+        if mine is not None:  # same world size: the log's accumulators continue too
+            loss_sum += mine["loss_sum"].to(env.device)
+            loss_steps, last_tokens, last_time = mine["loss_steps"], meta["last_tokens"], meta["last_time"]
+        else:
+            last_tokens, last_time = start_tokens, meta["elapsed"] - meta["eval_seconds"]
+        if meta.get("whitened_matrices") is not None:  # loading may take a zero step (DCP's state init)
+            whitened_offset = meta["whitened_matrices"] - (_whitened(optimizer, env) or 0)
+        clock["eval_seconds"] = meta["eval_seconds"]
+        log = MetricsLog(out_dir / "metrics.jsonl" if env.is_main else None, meta["rows"])
+        initial_val = log.rows[0]["val_loss"]
+        start = time.perf_counter() - meta["elapsed"]
+        if env.is_main:
+            print(f"resumed from {resume_from} (step {start_step}, saved at world size {meta['world_size']})",
+                  flush=True)  # fmt: skip
+    else:
+        log = MetricsLog(out_dir / "metrics.jsonl" if env.is_main else None)
+        start = time.perf_counter()
+        initial_val = timed_eval()
+        log.add({"step": 0, "tokens": 0, "val_loss": initial_val, "lr": [g["lr"] for g in optimizer.param_groups]})
+
+    def tokens_at(step: int) -> int:
+        return start_tokens + (step - start_step) * tokens_per_step
+
+    bar = tqdm(range(start_step + 1, cfg.steps + 1), initial=start_step, total=cfg.steps,
+               disable=not env.is_main, desc="train", dynamic_ncols=True)  # fmt: skip
     for step in bar:
         lrs = [g["lr"] for g in optimizer.param_groups]
         loss_sum += train_step(wrapped, sampler, optimizer, scheduler, cfg, env)
         loss_steps += 1
-        tokens, last = step * tokens_per_step, step == cfg.steps
+        _fault_injection(step, env)
+        tokens, last = tokens_at(step), step == cfg.steps
         row: dict[str, Any] = {}
         if step % cfg.log_every == 0 or last:  # mean train loss since the last log, over all ranks
-            train_time = time.perf_counter() - start - eval_seconds
+            train_time = time.perf_counter() - start - clock["eval_seconds"]
             row["train_loss"] = _all_reduce_sum(loss_sum / loss_steps).item() / env.world_size
             row["tok_per_s"] = (tokens - last_tokens) / max(train_time - last_time, 1e-9)
             loss_sum.zero_()
@@ -540,9 +615,21 @@ def train(cfg: TrainConfig, env: DistEnv) -> dict[str, Any]:
             row["val_loss"] = timed_eval()
         if row:
             log.add({"step": step, "tokens": tokens, **row, "lr": lrs, "elapsed": time.perf_counter() - start})
+        if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
+            whitened = _whitened(optimizer, env)
+            checkpoint.save(
+                cfg.out_dir, step, cfg.keep_checkpoints, rank=env.rank, wrapped=wrapped, optimizer=optimizer,
+                scheduler=scheduler, sampler=sampler, deepspeed=cfg.parallel == "deepspeed",
+                rank_state={"loss_sum": loss_sum.detach().cpu(), "loss_steps": loss_steps},
+                meta={"world_size": env.world_size, "parallel": cfg.parallel, "tokens": tokens,
+                      "elapsed": time.perf_counter() - start, "eval_seconds": clock["eval_seconds"],
+                      "last_tokens": last_tokens, "last_time": last_time, "rows": log.rows,
+                      "whitened_matrices": None if whitened is None else whitened + whitened_offset},
+            )  # fmt: skip
     bar.close()
     log.close()
     elapsed = time.perf_counter() - start
+    eval_seconds = clock["eval_seconds"]
 
     full = full_state_dict(owner)
     digests = [weights_digest(full)] * env.world_size
@@ -557,14 +644,15 @@ def train(cfg: TrainConfig, env: DistEnv) -> dict[str, Any]:
         "world_size": env.world_size,
         "device": str(env.device),
         "steps": cfg.steps,
-        "tokens": cfg.steps * tokens_per_step,
+        "tokens": tokens_at(cfg.steps),
         "time_s": elapsed,
-        "tok_per_s": cfg.steps * tokens_per_step / max(elapsed - eval_seconds, 1e-9),
+        "tok_per_s": tokens_at(cfg.steps) / max(elapsed - eval_seconds, 1e-9),
         "initial_val_loss": initial_val,
         "final_val_loss": log.rows[-1]["val_loss"],
         "final_train_loss": log.rows[-1]["train_loss"],
         "weights_sha1": digests,  # one per rank; data parallelism must keep them equal
-        "whitened_matrices": _whitened(optimizer, env),  # SWAN: matrices whitened, summed over ranks
+        # SWAN: matrices whitened, summed over ranks (a resumed run counts those before the checkpoint)
+        "whitened_matrices": None if (w := _whitened(optimizer, env)) is None else w + whitened_offset,
         # bytes summed over ranks: the optimizer's state, and a wrapper's fp32 masters (DeepSpeed's)
         **{k: int(_all_reduce_sum(torch.tensor(float(v), device=env.device)).item())
            for k, v in state_bytes(optimizer).items()},
@@ -589,7 +677,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     cfg = load_config(args.config, args.set)
     env = setup_distributed(cfg)
     try:
-        return train(cfg, env)
+        summary = train(cfg, env)
+        if env.owns_process_group:  # every rank done before any tears down (rank 0 may host the store)
+            dist.barrier()
+        return summary
     finally:
         if env.owns_process_group:
             dist.destroy_process_group()
