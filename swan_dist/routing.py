@@ -15,7 +15,8 @@ builds a :class:`Plan`, identical on all ranks:
   holders, preferring what the computing rank already holds (nothing is sent for it).
 
 :class:`Exchange` runs a plan with ``all_to_all_single`` (uneven splits, contiguous buffers, as gloo
-requires), overlapping the forward exchange of bucket k+1 with the math of bucket k.
+requires), each bucket in phases so that transfers overlap the math (the gradients of phase k+1 and
+the updates of phase k-1 travel while phase k is computed).
 """
 
 from __future__ import annotations
@@ -490,45 +491,160 @@ def _split_owner_lists(ms: Sequence[int], costs: Sequence[float], nbytes: Sequen
     return best
 
 
+# A bucket runs in phases of about this many bytes of full fp32 matrices per owner, at most MAX_PHASES
+# of them, so that its transfers overlap the math (see Exchange). Each phase is one collective each way:
+# a few MiB keep gloo's per-call cost small against the transfer it hides.
+PHASE_BYTES = 4 << 20
+MAX_PHASES = 4
+
+
+@dataclass
+class _Step:
+    """One exchange each way on this rank: a bucket, or one phase of it."""
+
+    matrices: list[int]
+    fwd: tuple[list[int], list[int]]  # elements sent to / received from each rank
+    fwd_send: list[Segment]  # what this rank sends, in packing order
+    recv_at: dict[int, list[tuple[int, int, int]]]  # matrix -> (lo, hi, offset in the received buffer)
+    bwd: tuple[list[int], list[int]]
+    send_at: dict[int, list[tuple[int, int, int]]]  # matrix -> (lo, hi, offset in the update send buffer)
+    bwd_recv: list[Segment]  # the update pieces this rank receives, in order
+    own: dict[int, list[Range]]  # per matrix this rank computes: the ranges it takes from itself
+    stacks: list[list[int]]  # the matrices this rank computes, in stacks of one (shape, config, split)
+    dtype: torch.dtype  # the communication dtype
+    moves: tuple[bool, bool]  # whether any rank sends gradients / updates (else no rank issues that collective)
+
+
 class Exchange:
     """Runs a :class:`Plan` on this rank: gradients to owners, the per-matrix computation, updates back.
 
     ``grads[m]`` is this rank's flat gradient piece of matrix m (``hi - lo`` elements in the matrix's
     canonical order, on any device; ``None`` counts as zeros), ``skip`` the matrices nobody computes
     this step (decided identically on every rank). ``compute(stack, cfg)`` maps a stack of same-shape
-    full gradients to their updates (SWAN's by default). ``on_update(m, piece)`` receives this rank's
-    flat piece of each computed update, on ``device`` (the communication device). Every rank issues
-    the same collectives in the same order whatever its data.
+    full gradients to their updates (SWAN's by default; it must not write into ``stack``, which may be
+    a view of a local gradient). ``on_update(m, piece)`` receives this rank's flat piece of each
+    computed update, on ``device`` (the communication device); nothing writes into the pieces until
+    :meth:`run` returns. Every rank issues the same collectives in the same order whatever its data.
+
+    Each bucket runs as one or more *phases*, each one exchange each way: every computing rank's
+    matrices of the bucket cut by cost into parts (``phase_bytes`` of full fp32 matrices per owner and
+    phase, at most ``max_phases``; the first and last parts half the size of the others), phase p taking
+    every rank's p-th part. Phase p+1's gradients travel while phase p is computed and phase p's updates
+    return while phase p+1 is, so only the first phase's gradients and the last phase's updates are
+    waited for. Phases are cut from the plan alone, identically on every rank, and change neither
+    owners nor bytes.
+
+    Each element of a full gradient is copied once, into the stack it is whitened in: what this rank
+    holds straight from its gradient (while the phase's gradients travel), the rest from the receive
+    buffer; a matrix alone in its stack that this rank holds whole, contiguous and in fp32 (DDP) is
+    whitened from its gradient itself. Each update piece a peer needs is written once, straight into the
+    send buffer. A collective that moves nothing on any rank (gradients towards owners under DDP;
+    everything in replicated mode under DDP) is not issued. A stack is a phase's whole (shape, config)
+    group, or at most ``stack_bytes`` of full fp32 matrices of it (one larger matrix alone); stacks of
+    one matrix were no faster on a 2-core CPU at W=2 than whole groups.
     """
 
     def __init__(self, plan: Plan, rank: int, group: dist.ProcessGroup | None, device: torch.device,
-                 dtypes: Sequence[torch.dtype], compute: Callable[[Tensor, Hashable], Tensor] = swan_compute) -> None:
+                 dtypes: Sequence[torch.dtype], compute: Callable[[Tensor, Hashable], Tensor] = swan_compute,
+                 phase_bytes: int | None = PHASE_BYTES, max_phases: int = MAX_PHASES,
+                 stack_bytes: int | None = None) -> None:
         self.plan, self.rank, self.group, self.device = plan, rank, group, device
         self.dtypes, self.compute = list(dtypes), compute
         self.bytes_sent = 0  # by this rank, both directions, since construction
-        w = plan.world
-        self._fwd = [([plan.forward_segments(b, rank, d) for d in range(w)],
-                      [plan.forward_segments(b, s, rank) for s in range(w)]) for b in plan.buckets]
-        self._bwd = [([plan.backward_segments(b, rank, d) for d in range(w)],
-                      [plan.backward_segments(b, s, rank) for s in range(w)]) for b in plan.buckets]
-        # per bucket: the ranges of each matrix this rank computes that it takes from itself
-        self._own = [{m: [(lo, hi) for r, lo, hi in cover([rg[m] for rg in plan.ranges], rank, plan.specs[m]) if r == rank]
-                      for m in b.matrices if plan.computes(rank, m, b)} for b in plan.buckets]
+        self._steps = [self._step(Bucket(ms, b.owners), stack_bytes)
+                       for b in plan.buckets for ms in self._phases(b, phase_bytes, max_phases)]
 
-    def _dtype(self, matrices: Sequence[int]) -> torch.dtype:
-        ds = {self.dtypes[m] for m in matrices}
-        return ds.pop() if len(ds) == 1 else torch.float32
+    def _phases(self, bucket: Bucket, phase_bytes: int | None, max_phases: int) -> list[list[int]]:
+        """The bucket's matrices cut into phases (bucket order within each), from the plan alone: each
+        computing rank's matrices cut by cumulative cost, the first and the last phase half as large as
+        the others (their transfers, gradients in before the first and updates out after the last, are
+        the ones nothing overlaps)."""
+        plan = self.plan
+        per_rank: dict[int, list[int]] = {}
+        for m in bucket.matrices:  # replicated mode (-1): every rank computes the same list
+            per_rank.setdefault(bucket.owners[m], []).append(m)
+        most = max((sum(4 * plan.specs[m].numel for m in ms) for ms in per_rank.values()), default=0)
+        count = 1 if not phase_bytes else max(1, min(max_phases, round(most / phase_bytes)))
+        if count == 1 or not any(self._moves(bucket.matrices, bucket)):
+            return [list(bucket.matrices)]
+        weights = [1.0] * count if count < 3 else [0.5] + [1.0] * (count - 2) + [0.5]
+        ends = [sum(weights[:p + 1]) / sum(weights) for p in range(count)]
+        part: dict[int, int] = {}
+        for ms in per_rank.values():
+            costs = [plan.costs[m] for m in ms]
+            total, before = sum(costs), 0.0
+            for j, (m, c) in enumerate(zip(ms, costs)):
+                mid = (before + c / 2) / total if total > 0 else (j + 0.5) / len(ms)
+                part[m] = next((p for p, e in enumerate(ends) if mid < e), count - 1)
+                before += c
+        phases = [[m for m in bucket.matrices if part[m] == p] for p in range(count)]
+        return [p for p in phases if p]
 
-    def _start(self, send: list[list[Segment]], recv: list[list[Segment]], fetch: Callable[[int, int, int], Tensor],
-               dtype: torch.dtype):
-        """Pack ``send`` segments (``fetch(m, lo, hi)``) by destination and start the all_to_all."""
-        pieces = [fetch(m, lo, hi).to(self.device, dtype) for segs in send for m, lo, hi in segs]
-        inp = torch.cat(pieces) if pieces else torch.empty(0, dtype=dtype, device=self.device)
-        in_splits = [sum(hi - lo for _, lo, hi in segs) for segs in send]
-        out_splits = [sum(hi - lo for _, lo, hi in segs) for segs in recv]
+    def _moves(self, matrices: Sequence[int], bucket: Bucket) -> tuple[bool, bool]:
+        """Whether any rank sends anything (gradients, updates) for these matrices: where nothing moves in
+        a direction on any rank (DDP in replicated mode), no rank issues that collective."""
+        plan, fwd, bwd = self.plan, False, False
+        for m in matrices:
+            n, computers = plan.specs[m].numel, set(plan.computers(m, bucket))
+            fwd = fwd or n > 0 and any(tuple(plan.ranges[c][m]) != (0, n) for c in computers)
+            bwd = bwd or any(hi > lo for r, (lo, hi) in enumerate(rg[m] for rg in plan.ranges) if r not in computers)
+            if fwd and bwd:
+                break
+        return fwd, bwd
+
+    def _step(self, b: Bucket, stack_bytes: int | None) -> _Step:
+        plan, rank, w = self.plan, self.rank, self.plan.world
+        send = [plan.forward_segments(b, rank, d) for d in range(w)]
+        recv = [plan.forward_segments(b, s, rank) for s in range(w)]
+        bsend = [plan.backward_segments(b, rank, d) for d in range(w)]
+        brecv = [plan.backward_segments(b, s, rank) for s in range(w)]
+        size = lambda segs: sum(hi - lo for _, lo, hi in segs)  # noqa: E731
+
+        def at(per_rank: list[list[Segment]]) -> dict[int, list[tuple[int, int, int]]]:
+            out: dict[int, list[tuple[int, int, int]]] = {}
+            offset = 0
+            for segs in per_rank:
+                for m, lo, hi in segs:
+                    out.setdefault(m, []).append((lo, hi, offset))
+                    offset += hi - lo
+            return out
+
+        mine = [m for m in b.matrices if plan.computes(rank, m, b)]
+        own = {m: [(lo, hi) for r, lo, hi in cover([rg[m] for rg in plan.ranges], rank, plan.specs[m]) if r == rank]
+               for m in mine}
+        groups: dict[tuple, list[int]] = {}
+        for m in mine:
+            spec = plan.specs[m]
+            groups.setdefault((spec.shape, spec.cfg, spec.split), []).append(m)
+        stacks = []
+        for ms in groups.values():
+            per = len(ms) if not stack_bytes else max(1, stack_bytes // max(1, 4 * plan.specs[ms[0]].numel))
+            stacks += [ms[i:i + per] for i in range(0, len(ms), per)]
+        ds = {self.dtypes[m] for m in b.matrices}
+        return _Step(list(b.matrices), ([size(s) for s in send], [size(s) for s in recv]),
+                     [seg for segs in send for seg in segs], at(recv),
+                     ([size(s) for s in bsend], [size(s) for s in brecv]),
+                     at(bsend), [seg for segs in brecv for seg in segs], own, stacks,
+                     ds.pop() if len(ds) == 1 else torch.float32, self._moves(b.matrices, b))
+
+    def _start(self, pieces: list[Tensor] | Tensor, splits: tuple[list[int], list[int]], dtype: torch.dtype,
+               moves: bool = True):
+        """Start the all_to_all of ``pieces`` (packed by destination into one buffer, one copy) or of a
+        packed buffer; returns ``(work, received buffer)``, ``work`` None where no rank sends anything."""
+        if not moves:
+            return None, torch.empty(0, dtype=dtype, device=self.device)
+        if isinstance(pieces, Tensor):
+            inp = pieces
+        elif not pieces:
+            inp = torch.empty(0, dtype=dtype, device=self.device)
+        elif len(pieces) == 1 and pieces[0].dtype == dtype and pieces[0].device == self.device:
+            inp = pieces[0].contiguous()  # nothing writes into gradients during the step
+        else:
+            inp = torch.cat([p.to(self.device, dtype) for p in pieces])  # .to: no copy where it is already so
+        in_splits, out_splits = splits
         out = torch.empty(sum(out_splits), dtype=dtype, device=self.device)
         self.bytes_sent += inp.numel() * inp.element_size()
-        work = dist.all_to_all_single(out, inp.contiguous(), out_splits, in_splits, group=self.group, async_op=True)
+        work = dist.all_to_all_single(out, inp, out_splits, in_splits, group=self.group, async_op=True)
         return work, out
 
     def run(self, grads: Sequence[Tensor | None], skip: set[int], on_update: Callable[[int, Tensor], None]) -> int:
@@ -543,73 +659,84 @@ class Exchange:
             return g[lo - my[m][0]: hi - my[m][0]]
 
         def start_forward(k: int):
-            b = plan.buckets[k]
-            return self._start(*self._fwd[k], grad_piece, self._dtype(b.matrices))
+            st = self._steps[k]
+            return self._start([grad_piece(*seg) for seg in st.fwd_send], st.fwd, st.dtype, st.moves[0])
 
         whitened = 0
-        pending_fwd = start_forward(0) if plan.buckets else None
+        pending_fwd = start_forward(0) if self._steps else None
         pending_bwd = None
-        for k, bucket in enumerate(plan.buckets):
+        for k, st in enumerate(self._steps):
             work, recv = pending_fwd
-            pending_fwd = start_forward(k + 1) if k + 1 < len(plan.buckets) else None
-            work.wait()
-            full = self._assemble(k, recv, grad_piece)
-            updates = self._compute(full, skip)
-            whitened += sum(max(1, len(self.plan.specs[m].split)) for m in updates)
-            for m, u in updates.items():
-                lo, hi = my[m]
-                if hi > lo:
-                    on_update(m, u[lo:hi])
-            send, recv_segs = self._bwd[k]
-            bwork, brecv = self._start(send, recv_segs, lambda m, lo, hi: updates[m][lo:hi]
-                                       if m in updates else torch.zeros(hi - lo, device=self.device),
-                                       self._dtype(bucket.matrices))
+            pending_fwd = start_forward(k + 1) if k + 1 < len(self._steps) else None
+            stacks = [(ms, self._own_part(st, ms, grads)) for ms in
+                      ([m for m in ms if m not in skip] for ms in st.stacks) if ms]  # while the gradients travel
+            if work is not None:
+                work.wait()
+            send = torch.empty(sum(st.bwd[0]), dtype=st.dtype, device=self.device)
+            for ms, stack in stacks:
+                for row, m in zip(stack, ms):  # the received rest
+                    for lo, hi, off in st.recv_at.get(m, ()):
+                        row[lo:hi].copy_(recv[off: off + hi - lo])
+                whitened += len(ms) * max(1, len(plan.specs[ms[0]].split))
+                for m, u in zip(ms, self._compute(ms, stack)):
+                    lo, hi = my[m]
+                    if hi > lo:
+                        on_update(m, u[lo:hi])
+                    for lo, hi, off in st.send_at.get(m, ()):
+                        send[off: off + hi - lo].copy_(u[lo:hi])
+            for m in skip:  # skipped matrices keep their (zero-filled) place
+                for lo, hi, off in st.send_at.get(m, ()):
+                    send[off: off + hi - lo].zero_()
+            bwd = self._start(send, st.bwd, st.dtype, st.moves[1])
             if pending_bwd is not None:
                 self._finish_backward(*pending_bwd, skip, on_update)
-            pending_bwd = (bwork, brecv, recv_segs)
+            pending_bwd = (*bwd, st.bwd_recv)
         if pending_bwd is not None:
             self._finish_backward(*pending_bwd, skip, on_update)
         return whitened
 
-    def _assemble(self, k: int, recv: Tensor, grad_piece) -> dict[int, Tensor]:
-        """Full flat gradients of the matrices this rank computes in bucket k."""
-        full = {}
-        for m, own in self._own[k].items():
-            full[m] = buf = torch.empty(self.plan.specs[m].numel, dtype=torch.float32, device=self.device)
-            for lo, hi in own:
-                buf[lo:hi] = grad_piece(m, lo, hi)
-        offset = 0
-        for segs in self._fwd[k][1]:
-            for m, lo, hi in segs:
-                full[m][lo:hi] = recv[offset: offset + hi - lo]
-                offset += hi - lo
-        return full
+    def _own_part(self, st: _Step, ms: list[int], grads: Sequence[Tensor | None]) -> Tensor:
+        """The stack ``(len(ms), numel)`` of the full fp32 gradients of ``ms`` in canonical order, with
+        what this rank holds written from its gradients (the rest comes from the received buffer); a
+        matrix alone that this rank holds whole, contiguous and in fp32: a view of its gradient."""
+        numel = self.plan.specs[ms[0]].numel
+        my = self.plan.ranges[self.rank]
+        if len(ms) == 1:
+            g = grads[ms[0]]
+            if (g is not None and st.own[ms[0]] == [(0, numel)] and g.dtype == torch.float32
+                    and g.device == self.device and g.is_contiguous()):
+                return g.view(1, numel)
+        stack = torch.empty(len(ms), numel, dtype=torch.float32, device=self.device)
+        for row, m in zip(stack, ms):
+            g, base = grads[m], my[m][0]
+            for lo, hi in st.own[m]:
+                if g is None:
+                    row[lo:hi].zero_()
+                else:
+                    row[lo:hi].copy_(g[lo - base: hi - base])
+        return stack
 
-    def _compute(self, full: dict[int, Tensor], skip: set[int]) -> dict[int, Tensor]:
-        """Updates of the assembled matrices (canonical order, flat), batched over same (shape, config)."""
-        groups: dict[tuple, list[int]] = {}
-        for m in full:
-            if m not in skip:
-                spec = self.plan.specs[m]
-                groups.setdefault((spec.shape, spec.cfg, spec.split), []).append(m)
-        out: dict[int, Tensor] = {}
-        for (shape, cfg, split), ms in groups.items():
-            specs = [self.plan.specs[m] for m in ms]
-            stack = torch.stack([s.layout.to_full(full[m], shape) for s, m in zip(specs, ms)])
-            upd = split_rows(stack, split, lambda x: self.compute(x, cfg))
-            for s, m, u in zip(specs, ms, upd):
-                out[m] = s.layout.from_full(u)
-        return out
+    def _compute(self, ms: list[int], stack: Tensor) -> list[Tensor]:
+        """Flat canonical-order updates of one stack of same (shape, config, split) matrices."""
+        specs = [self.plan.specs[m] for m in ms]
+        shape, cfg, split = specs[0].shape, specs[0].cfg, specs[0].split
+        plain = [not s.layout.col_splits for s in specs]
+        full = stack.view(len(ms), *shape)
+        if not all(plain):  # canonical order -> the matrix (column blocks put back), row by row
+            full = torch.stack([f if p else s.layout.to_full(r, shape)
+                                for f, p, s, r in zip(full, plain, specs, stack)])
+        upd = split_rows(full, split, lambda x: self.compute(x, cfg))
+        return [u.reshape(-1) if p else s.layout.from_full(u) for p, s, u in zip(plain, specs, upd)]
 
-    def _finish_backward(self, work, recv: Tensor, recv_segs: list[list[Segment]], skip: set[int],
+    def _finish_backward(self, work, recv: Tensor, segs: list[Segment], skip: set[int],
                          on_update: Callable[[int, Tensor], None]) -> None:
-        work.wait()
+        if work is not None:
+            work.wait()
         offset = 0
-        for segs in recv_segs:
-            for m, lo, hi in segs:
-                if m not in skip:
-                    on_update(m, recv[offset: offset + hi - lo])
-                offset += hi - lo
+        for m, lo, hi in segs:
+            if m not in skip:
+                on_update(m, recv[offset: offset + hi - lo])
+            offset += hi - lo
 
 
 class StepAgreement:

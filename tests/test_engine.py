@@ -98,46 +98,83 @@ def test_plan_rejects_bad_ranges():
 
 # ---------------------------------------------------------------------------------------- exchange
 def _exchange_worker(rank, world, cases):
-    """Each case: (mode, layout, bucket_bytes). Returns per case (max error, owners, #buckets)."""
+    """Each case: (mode, layout, bucket_bytes, Exchange options, skipped matrices, matrices without a
+    gradient on rank 0). Returns per case (max error, owners, #buckets, #phases, #all_to_all calls)."""
     out = []
-    for mode, layout, bucket_bytes in cases:
+    for mode, layout, bucket_bytes, opts, skip, none0 in cases:
         torch.manual_seed(world)
         specs = _specs()
         fulls = [torch.randn(s.shape) for s in specs]  # same on every rank: the "global gradients"
         rng = random.Random(world)
-        all_ranges = [_row_shards(s.shape, world) if layout == "rows" else _random_ranges(s.numel, world, rng)
-                      for s in specs]
+        all_ranges = [_row_shards(s.shape, world) if layout == "rows" else [(0, s.numel)] * world if layout == "whole"
+                      else _random_ranges(s.numel, world, rng) for s in specs]
         ranges = [[all_ranges[m][r] for m in range(len(specs))] for r in range(world)]
         gathered = [None] * world
         dist.all_gather_object(gathered, ranges[rank])
         plan = build_plan(specs, gathered, mode, bucket_bytes)
-        ex = Exchange(plan, rank, None, torch.device("cpu"), [torch.float32] * len(specs))
-        grads = [fulls[m].reshape(-1)[lo:hi].clone() for m, (lo, hi) in enumerate(ranges[rank])]
+        ex = Exchange(plan, rank, None, torch.device("cpu"), [torch.float32] * len(specs), **opts)
+        calls = []
+        a2a = dist.all_to_all_single
+        dist.all_to_all_single = lambda *a, **k: calls.append(a[0].numel()) or a2a(*a, **k)
+        for m in none0:  # rank 0 has no gradient for it: its piece counts as zeros
+            fulls[m].reshape(-1)[slice(*ranges[0][m])] = 0.0
+        grads = [None if rank == 0 and m in none0 else fulls[m].reshape(-1)[lo:hi].clone()
+                 for m, (lo, hi) in enumerate(ranges[rank])]
+        before = [g.clone() if g is not None else None for g in grads]
         got = {}
-        ex.run(grads, set(), lambda m, u: got.__setitem__(m, u.clone()))
+        try:
+            ex.run(grads, set(skip), lambda m, u: got.__setitem__(m, u.clone()))
+        finally:
+            dist.all_to_all_single = a2a
+        assert all(a is b is None or torch.equal(a, b) for a, b in zip(grads, before))  # gradients untouched
         errs = []
         for m, (lo, hi) in enumerate(ranges[rank]):
             ref = swan_update(fulls[m], specs[m].cfg)[0].reshape(-1)[lo:hi]
-            if hi > lo:
+            if hi > lo and m not in skip:
                 errs.append((got[m] - ref).abs().max().item())
             else:
                 assert m not in got
-        out.append((max(errs, default=0.0), [b.owners for b in plan.buckets], len(plan.buckets)))
+        out.append((max(errs, default=0.0), [b.owners for b in plan.buckets], len(plan.buckets), len(ex._steps),
+                    len(calls)))
     return out
 
 
-CASES = [("owner", "rows", 1 << 30), ("owner", "random", 200), ("replicated", "random", 600)]
+# (mode, layout, bucket_bytes, Exchange options, skip, no gradient on rank 0)
+CASES = [
+    ("owner", "rows", 1 << 30, {}, (), ()),
+    ("owner", "random", 200, {}, (), ()),
+    ("replicated", "random", 600, {}, (), ()),
+    # phases of ~100 bytes per owner (several per bucket), every matrix alone in its stack
+    ("owner", "rows", 1 << 30, dict(phase_bytes=100, stack_bytes=1), (), ()),
+    ("owner", "random", 1 << 30, dict(phase_bytes=150, stack_bytes=1), (1, 4), (0, 5)),
+    ("replicated", "random", 1 << 30, dict(phase_bytes=150, stack_bytes=1 << 30), (2,), (4,)),
+    ("owner", "random", 300, dict(stack_bytes=1 << 30), (0, 6), (3,)),
+    # every rank holds everything (DDP): owners receive nothing (no forward collective), every update
+    # goes back; in replicated mode nothing moves and no collective is issued, one phase per bucket
+    ("owner", "whole", 1 << 30, dict(phase_bytes=100), (), ()),
+    ("replicated", "whole", 1 << 30, dict(phase_bytes=100), (), ()),
+]
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_exchange_matches_single_process_swan(world):
-    """Uneven row shards, arbitrary cut points with empty and overlapping pieces, NS and NSDS,
-    several buckets; owner and replicated modes; identical plans on every rank."""
+    """Uneven row shards, arbitrary cut points with empty and overlapping pieces, whole matrices on every
+    rank (DDP), NS and NSDS, several buckets and several phases per bucket, stacks of one matrix and of
+    whole groups, skipped matrices and missing gradients; owner and replicated modes; identical plans,
+    phases and collectives on every rank; gradients never written."""
     res = run_distributed(_exchange_worker, world, CASES)
     for c, case in enumerate(CASES):
         per_rank = [r[c] for r in res]
         assert max(r[0] for r in per_rank) < 1e-5, (case, per_rank)
         assert all(r[1] == per_rank[0][1] for r in per_rank), case
+        assert all(r[3] == per_rank[0][3] for r in per_rank), case  # the same phases everywhere
         if case[2] < 1000:
             assert per_rank[0][2] > 1, case
+        assert all(r[4] == per_rank[0][4] for r in per_rank), case  # the same collectives everywhere
+        if case[:2] == ("replicated", "whole"):
+            assert per_rank[0][3] == per_rank[0][2] and per_rank[0][4] == 0, (case, per_rank[0])
+        elif case[3].get("phase_bytes"):
+            assert per_rank[0][3] > per_rank[0][2], case
+        if case[:2] == ("owner", "whole"):
+            assert per_rank[0][4] == per_rank[0][3], (case, per_rank[0])  # one (backward) per phase
