@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import gc
 import hashlib
 import json
 import math
@@ -678,6 +679,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     env = setup_distributed(cfg)
     try:
         summary = train(cfg, env)
+        gc.collect()  # the model's and optimizer's tensors go while the interpreter is whole, not at its exit
         if env.owns_process_group:  # every rank done before any tears down (rank 0 may host the store)
             dist.barrier()
         return summary
