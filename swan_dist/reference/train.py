@@ -19,6 +19,7 @@ import json
 import math
 import os
 import signal
+import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import nullcontext
@@ -689,8 +690,16 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 
 def cli() -> None:
-    """Console-script entry point (``main`` returns the summary, which ``sys.exit`` would print as an error)."""
+    """Console-script entry point (``main`` returns the summary, which ``sys.exit`` would print as an error).
+
+    After a finished run (results written, process group destroyed) the process leaves with ``os._exit``:
+    native libraries' threads torn down by the interpreter's exit have aborted a finished rank ("terminate
+    called without an active exception", about once in tens of gloo runs), which torchrun reports as a
+    failed job and restarts under ``--max-restarts``. An error still raises as usual."""
     main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
