@@ -81,6 +81,7 @@ class TrainConfig:
     keep_checkpoints: int = 2  # complete checkpoints kept (older ones are deleted); 0: keep all
     resume: str = "auto"  # auto: the latest complete checkpoint in out_dir, if any | never | a path
     dist_timeout_s: float = 300.0  # process-group timeout: a rank whose peers died fails within it
+    time_optimizer: bool = False  # summary's optimizer_s exact on CUDA (synchronises around each step)
 
     def __post_init__(self) -> None:
         if isinstance(self.model, str):
@@ -269,6 +270,13 @@ def _all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def _all_reduce_max(value: float, env: DistEnv) -> float:
+    t = torch.tensor(value, dtype=torch.float64, device=env.device)
+    if dist.is_initialized():
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
 # --------------------------------------------------------------------------- building blocks
 
 
@@ -446,9 +454,25 @@ def train_step(
     scheduler: torch.optim.lr_scheduler.LRScheduler,
     cfg: TrainConfig,
     env: DistEnv,
+    clock: dict[str, float] | None = None,
 ) -> torch.Tensor:
-    """One optimizer step over ``grad_accum`` micro-batches; returns this rank's mean loss (detached)."""
+    """One optimizer step over ``grad_accum`` micro-batches; returns this rank's mean loss (detached).
+    ``clock["optimizer_seconds"]`` (if given) accumulates the time spent in the optimizer step (under
+    DeepSpeed: ``engine.step()`` at the accumulation boundary)."""
     from torch.distributed.fsdp import FSDPModule
+
+    def timed(fn: Callable[[], Any]) -> None:
+        if clock is None:
+            fn()
+            return
+        sync = cfg.time_optimizer and env.device.type == "cuda"
+        if sync:
+            torch.cuda.synchronize(env.device)
+        t = time.perf_counter()
+        fn()
+        if sync:
+            torch.cuda.synchronize(env.device)
+        clock["optimizer_seconds"] = clock.get("optimizer_seconds", 0.0) + time.perf_counter() - t
 
     if cfg.parallel == "deepspeed":  # the engine scales by grad_accum, clips, steps at the boundary
         mean_loss = torch.zeros((), device=env.device)
@@ -456,7 +480,7 @@ def train_step(
             x, y = next(sampler)
             _, loss = wrapped(x.to(env.device), y.to(env.device))
             wrapped.backward(loss)
-            wrapped.step()
+            timed(wrapped.step)
             mean_loss += loss.detach().float() / cfg.grad_accum
         return mean_loss
     ddp = isinstance(wrapped, DistributedDataParallel)
@@ -474,7 +498,7 @@ def train_step(
         mean_loss += loss.detach() / cfg.grad_accum
     if cfg.grad_clip > 0:
         nn.utils.clip_grad_norm_(wrapped.parameters(), cfg.grad_clip)
-    optimizer.step()
+    timed(optimizer.step)
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     return mean_loss
@@ -601,7 +625,7 @@ def train(cfg: TrainConfig, env: DistEnv) -> dict[str, Any]:
                disable=not env.is_main, desc="train", dynamic_ncols=True)  # fmt: skip
     for step in bar:
         lrs = [g["lr"] for g in optimizer.param_groups]
-        loss_sum += train_step(wrapped, sampler, optimizer, scheduler, cfg, env)
+        loss_sum += train_step(wrapped, sampler, optimizer, scheduler, cfg, env, clock)
         loss_steps += 1
         _fault_injection(step, env)
         tokens, last = tokens_at(step), step == cfg.steps
@@ -649,6 +673,11 @@ def train(cfg: TrainConfig, env: DistEnv) -> dict[str, Any]:
         "tokens": tokens_at(cfg.steps),
         "time_s": elapsed,
         "tok_per_s": tokens_at(cfg.steps) / max(elapsed - eval_seconds, 1e-9),
+        # this run's seconds in the optimizer step (slowest rank; steps before a resume not counted), and
+        # their share of the training time (evaluation excluded)
+        "optimizer_s": (opt_s := _all_reduce_max(clock.get("optimizer_seconds", 0.0), env)),
+        "optimizer_share": opt_s / max(elapsed - eval_seconds - (meta["elapsed"] - meta["eval_seconds"]
+                                                                  if resume_from is not None else 0.0), 1e-9),
         "initial_val_loss": initial_val,
         "final_val_loss": log.rows[-1]["val_loss"],
         "final_train_loss": log.rows[-1]["train_loss"],
