@@ -13,6 +13,9 @@ from .ddp import ReplicatedAdapter
 from .deepspeed import DeepSpeedAdapter
 from .dtensor import DTensorAdapter
 from .fsdp1 import FlatParamAdapter, OrigParamAdapter
+from .huggingface import HuggingFaceAdapter
+from .grouped_experts import GroupedExpertsLayouts
+from .hf_layouts import TransformersLayouts
 from .megatron import MegatronAdapter
 
 ADAPTERS = (
@@ -21,6 +24,9 @@ ADAPTERS = (
     OrigParamAdapter(),  # FSDP1 use_orig_params=True: flat views of each original's shard
     DTensorAdapter(),  # FSDP2, tensor parallelism and both (Shard / _StridedShard / Replicate)
     MegatronAdapter(),  # megatron-core's TP layers (plain tensors, partition_dim), its distributed optimizer
+    HuggingFaceAdapter(),  # claims no tensor: names for the bare groups Transformers' Trainer passes
+    TransformersLayouts(),  # claims no tensor: Conv1D orientation, fused QKV / gate-up, stacked MoE experts
+    GroupedExpertsLayouts(),  # claims no tensor: torchtitan-style GroupedExperts w1/w2/w3 (E, ., .)
     ReplicatedAdapter(),  # DDP, ZeRO-0, no wrapper: every rank holds the whole tensor
 )
 

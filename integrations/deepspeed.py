@@ -88,12 +88,20 @@ def replaced_pieces(originals: list[tuple[str, Tensor]], params: list[Tensor], u
         return None
     if not params:
         return [] if zero3 else None
-    if len(params) != 1:
+    if len(params) != 1 or not _partition(params[0], zero3):
         return None
     flat = params[0]
     if not use_swan:
         return [tensor_piece(f"<flat partition of fallback group {index}>", flat, grad=flat.grad)]
     return zero3_pieces(originals, flat, group) if zero3 else partition_pieces(originals, flat)
+
+
+def _partition(flat: Tensor, zero3: bool) -> bool:
+    """Whether ``flat`` is one of DeepSpeed's flat partitions: a plain 1-D tensor (not a subclass such as
+    another framework's DTensor), under ZeRO-3 carrying its sub-group's ``ds_id``."""
+    if type(flat) not in (Tensor, nn.Parameter) or flat.dim() != 1:
+        return False
+    return not zero3 or "_" in str(getattr(flat, "ds_id", ""))
 
 
 def _piece(name: str, shape, lo: int, flat: Tensor, start: int, n: int) -> Piece:

@@ -31,6 +31,7 @@ FlatParameter's shard. The optimizer therefore presents its state in those shape
 
 from __future__ import annotations
 
+import gc
 import math
 from dataclasses import dataclass
 from typing import Sequence
@@ -64,39 +65,123 @@ class Original:
 
 
 def register(model: nn.Module) -> int:
-    """Tag every FSDP1 unit's parameters in ``model`` (see the module docstring); returns how many
-    original parameters were tagged."""
+    """Tag the FSDP1 FlatParameters that hold ``model``'s parameters (see the module docstring); returns
+    how many original parameters were tagged.
+
+    ``model`` may be an FSDP unit (the root or any other), a module that contains units, or a module
+    *inside* a unit (the module a unit wraps, as Lightning's ``FSDPStrategy`` hands a LightningModule
+    its own ``configure_optimizers``, or any deeper one). FlatParameters are found in three ways:
+
+    - the FSDP units among ``model.named_modules()``;
+    - ``use_orig_params=False``: FSDP1 registers each unit's FlatParameter as ``_flat_param`` of the module
+      it wraps, so a module inside a unit sees it among its own parameters;
+    - ``use_orig_params=True``: an original parameter carries ``_fsdp_flattened`` but FSDP1 keeps no link
+      from it (nor from its module) to its FlatParameter or unit. For originals that no unit found above
+      holds, the FlatParameters whose ``_params`` list them are looked up once, in one pass over the
+      objects Python's garbage collector tracks (:func:`_enclosing_flats`), only in this case.
+    """
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-    count = 0
+    count, seen = 0, set()
     for prefix, module in model.named_modules():
         handle = getattr(module, "_handle", None) if isinstance(module, FSDP) else None
-        if handle is None:
-            continue
-        flat = handle.flat_param
-        infos = flat._shard_param_infos
-        if flat._params is not None:  # use_orig_params=True
-            for param, shape, info in zip(flat._params, flat._shapes, infos):
-                rng = (info.intra_param_start_idx, info.intra_param_end_idx + 1) if info.in_shard else (0, 0)
-                setattr(param, SHAPE, tuple(shape))
-                setattr(param, RANGE, rng)
-                setattr(param, FLAT, flat)
-            count += len(flat._params)
-            continue
-        tied = {(id(s.prim_module), s.prim_param_name) for s in flat._shared_param_infos
-                if isinstance(s.module, nn.Embedding)}
-        originals = []
-        for fqn, shape, info, pinfo in zip(flat._fqns, flat._shapes, infos, flat._param_infos):
-            lo, hi, off = ((info.intra_param_start_idx, info.intra_param_end_idx + 1, info.offset_in_shard)
-                           if info.in_shard else (0, 0, 0))
-            originals.append(Original(
-                clean_name(f"{prefix}.{fqn}" if prefix else fqn), tuple(shape), lo, hi, off, pinfo.module,
-                pinfo.param_name,
-                isinstance(pinfo.module, nn.Embedding) or (id(pinfo.module), pinfo.param_name) in tied,
-            ))
-        setattr(flat, ORIGINALS, tuple(originals))
-        count += len(originals)
+        if handle is not None and id(handle.flat_param) not in seen:
+            seen.add(id(handle.flat_param))
+            count += _register_flat(handle.flat_param, prefix)
+    for name, p in model.named_parameters():
+        if getattr(p, "_is_flat_param", False) and id(p) not in seen:  # the unit wrapping `model` (or a module in it)
+            seen.add(id(p))
+            count += _register_flat(p, name.rpartition(".")[0])
+    loose = [p for p in model.parameters() if getattr(p, "_fsdp_flattened", False)
+             and not getattr(p, "_is_flat_param", False) and not hasattr(p, RANGE)]
+    if loose:
+        for flat in _enclosing_flats(loose):
+            if id(flat) not in seen:
+                seen.add(id(flat))
+                count += _register_flat(flat, "")
     return count
+
+
+def outside_flats(model: nn.Module) -> list[tuple[str, Tensor]]:
+    """``use_orig_params=False``, ``model`` a module *below* the one an FSDP unit wraps: the unit's
+    FlatParameter is a parameter of neither, and the originals of ``model``'s modules are plain tensors,
+    views of it (FSDP1's unflattened views: their ``_base`` is the FlatParameter). Each such FlatParameter
+    whose originals all lie in ``model`` is tagged with names relative to ``model`` and returned, so that
+    ``SWAN(model)`` manages it; one that also packs parameters outside ``model`` is refused (it is stepped
+    whole: SWAN cannot own part of it while something else steps the rest)."""
+    inside = {id(p) for p in model.parameters()}
+    where = {id(m): name for name, m in model.named_modules()}
+    found: dict[int, Tensor] = {}
+    for m in model.modules():
+        for value in vars(m).values():
+            if isinstance(value, Tensor) and not isinstance(value, nn.Parameter):
+                base = value._base
+                if (base is not None and getattr(base, "_is_flat_param", False) and base._params is None
+                        and id(base) not in inside):
+                    found.setdefault(id(base), base)
+    out = []
+    for flat in found.values():
+        infos = [*flat._param_infos, *flat._shared_param_infos]
+        names = [clean_name(f"{where[id(i.module)]}.{i.param_name}" if where.get(id(i.module)) else i.param_name)
+                 for i in infos if id(i.module) in where]
+        if len(names) != len(infos):
+            away = [clean_name(f"{i.module_name}.{i.param_name}" if i.module_name else i.param_name)
+                    for i in infos if id(i.module) not in where]
+            raise ValueError(
+                f"swan_dist: an FSDP1 FlatParameter (use_orig_params=False) of a unit around this module packs its "
+                f"parameters {names[:4]} together with {away[:4]} (names in that unit) from outside it, and is "
+                "stepped whole; SWAN(module) cannot manage part of it. Build SWAN from a module that holds all "
+                "of them (the FSDP root: SWAN(fsdp_model)), give this module an FSDP unit of its own "
+                "(auto_wrap_policy), or use use_orig_params=True"
+            )
+        _register_flat(flat, "", where)
+        out.append((f"<FlatParameter of an enclosing FSDP unit: {names[0]}, ...>", flat))
+    return out
+
+
+def _enclosing_flats(params: Sequence[Tensor]) -> list[Tensor]:
+    """The FlatParameters (``use_orig_params=True``) whose original parameters include any of ``params``.
+
+    FSDP1 records no back-reference from an original parameter, nor from a wrapped module, to its
+    FlatParameter or FSDP unit (``FlatParamHandle`` and the unit point down only), so they are found in
+    one pass over ``gc.get_objects()`` (about 0.1 s per 250k tracked objects). :func:`register` calls it
+    once, and only for flattened originals that no FSDP unit inside the given module holds."""
+    want = {id(p) for p in params}
+    found = []
+    for obj in gc.get_objects():
+        if (isinstance(obj, Tensor) and getattr(obj, "_is_flat_param", False)
+                and getattr(obj, "_params", None) is not None and any(id(q) in want for q in obj._params)):
+            found.append(obj)
+    return found
+
+
+def _register_flat(flat: Tensor, prefix: str, where: dict[int, str] | None = None) -> int:
+    """Tag one FlatParameter (``prefix``: the name, in the model given to :func:`register`, of the module
+    whose parameter names its ``_fqns`` are relative to; or ``where``: each original's module's name in
+    that model, by ``id``); returns how many originals it holds."""
+    infos = flat._shard_param_infos
+    if flat._params is not None:  # use_orig_params=True
+        for param, shape, info in zip(flat._params, flat._shapes, infos):
+            rng = (info.intra_param_start_idx, info.intra_param_end_idx + 1) if info.in_shard else (0, 0)
+            setattr(param, SHAPE, tuple(shape))
+            setattr(param, RANGE, rng)
+            setattr(param, FLAT, flat)
+        return len(flat._params)
+    tied = {(id(s.prim_module), s.prim_param_name) for s in flat._shared_param_infos
+            if isinstance(s.module, nn.Embedding)}
+    found = []
+    for fqn, shape, info, pinfo in zip(flat._fqns, flat._shapes, infos, flat._param_infos):
+        lo, hi, off = ((info.intra_param_start_idx, info.intra_param_end_idx + 1, info.offset_in_shard)
+                       if info.in_shard else (0, 0, 0))
+        if where is not None:
+            fqn = f"{where[id(pinfo.module)]}.{pinfo.param_name}" if where[id(pinfo.module)] else pinfo.param_name
+        found.append(Original(
+            clean_name(f"{prefix}.{fqn}" if prefix else fqn), tuple(shape), lo, hi, off, pinfo.module,
+            pinfo.param_name,
+            isinstance(pinfo.module, nn.Embedding) or (id(pinfo.module), pinfo.param_name) in tied,
+        ))
+    setattr(flat, ORIGINALS, tuple(found))
+    return len(found)
 
 
 def originals(param: Tensor) -> tuple[Original, ...] | None:
@@ -108,8 +193,8 @@ def originals(param: Tensor) -> tuple[Original, ...] | None:
     if found is None and isinstance(param, FlatParameter):
         raise ValueError(
             f"swan_dist: an FSDP1 FlatParameter (use_orig_params=False) holding {param._fqns[:3]} reached the "
-            "optimizer unmapped; build SWAN from the FSDP root module (SWAN(model)) or call "
-            "swan_dist.tag_model(model) first"
+            "optimizer unmapped; build SWAN from a module that holds it (SWAN(fsdp_model), or SWAN(self) in a "
+            "LightningModule) or call swan_dist.tag_model(module) first"
         )
     return found
 
@@ -204,8 +289,9 @@ class FlatParamAdapter(Adapter):
 
     name = "fsdp1-flat"
 
-    def prepare(self, model: nn.Module) -> None:
+    def prepare(self, model: nn.Module) -> list[tuple[str, Tensor]]:
         register(model)  # both flavours: FlatParameters' originals, and original parameters' ranges
+        return outside_flats(model)  # use_orig_params=False, `model` below the module a unit wraps
 
     def claims(self, tensor: Tensor) -> bool:
         return getattr(tensor, "_is_flat_param", False)
@@ -241,9 +327,10 @@ class OrigParamAdapter(Adapter):
     def check(self, tensor: Tensor, name: str) -> None:
         if not hasattr(tensor, RANGE):
             raise ValueError(
-                f"swan_dist: {name} is a flattened shard of an FSDP1 (FullyShardedDataParallel) parameter whose FSDP "
-                "unit SWAN never saw, so its name, shape and layout are unknown. Pass the FSDP root module: "
-                "SWAN(fsdp_model), or call swan_dist.tag_model(fsdp_model) before SWAN(fsdp_model.parameters())"
+                f"swan_dist: {name} is a flattened shard of an FSDP1 (FullyShardedDataParallel) parameter given "
+                "without its module, so its name, shape and layout are unknown. Pass a module that holds it: the FSDP "
+                "root, SWAN(fsdp_model), or any module inside it (SWAN(self) in a LightningModule), or call "
+                "swan_dist.tag_model(module) before SWAN(module.parameters())"
             )
 
     def pieces(self, tensor: Tensor, name: str, rules: tuple[bool, ...]) -> list[Piece]:

@@ -6,6 +6,7 @@ from .presets import list_presets, load_preset
 from .selection import Rule, classify, param_groups, tag_model
 
 from .integrations.deepspeed import register_type as _register_type
+from .integrations.huggingface import SWANFactory
 
 _register_type(SWAN)  # DeepSpeed JSON: "optimizer": {"type": "SWAN"}
 
@@ -14,4 +15,5 @@ __version__ = "0.1.0"
 __all__ = [
     "SWAN", "FALLBACKS", "WhitenConfig", "grad_norm", "whiten", "rescale", "swan_update",
     "load_preset", "list_presets", "param_groups", "tag_model", "classify", "Rule",
+    "SWANFactory",
 ]

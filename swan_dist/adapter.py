@@ -14,6 +14,10 @@ An adapter answers, for the tensors it claims:
   built (DeepSpeed's flat fp32 partitions);
 - ``export_state`` / ``import_state``: the fallback state in its framework's checkpoint layout.
 
+and, for the module types it knows (whoever claims their tensors), ``form``: how a module's parameter
+maps to matrices (:class:`Form`: stored ``(in, out)``, fused parts, experts stacked), which the
+optimizer applies to any adapter's pieces.
+
 Pieces that are a tensor itself (``tensor_piece`` of it: its whole storage flat, its gradient flat) are
 reused from step to step while the tensor keeps its storage, shape, strides and dtype: only the
 gradient views are re-pointed (:func:`reusable`, :func:`repoint`). An adapter whose pieces depend on
@@ -31,7 +35,8 @@ from torch import Tensor, nn
 
 from .routing import ROW_MAJOR, Layout
 
-__all__ = ["Adapter", "Member", "Piece", "StateSlot", "adapter_for", "members_of", "adopt", "prepare_model",
+__all__ = ["Adapter", "Form", "Member", "Piece", "StateSlot", "adapter_for", "members_of", "adopt", "prepare_model",
+           "form_of",
            "name_bare_params", "optimizer_built", "reusable", "repoint", "registry_token", "tensor_key"]
 
 
@@ -95,6 +100,37 @@ def tensor_piece(name: str, p: Tensor, shape: tuple[int, ...] | None = None, lo:
                  p, p.grad, StateSlot(p), layout, tuple(split))
 
 
+@dataclass(frozen=True)
+class Form:
+    """How a stored parameter maps to the matrices SWAN whitens, recognised from its module's type by an
+    adapter (:meth:`Adapter.form`) and shown in the optimizer's summary.
+
+    ``transposed``: stored ``(..., in, out)`` (Transformers' ``Conv1D``, transposed MoE experts): the
+    matrix in the paper's orientation ``(..., out, in)`` is its transpose (``Layout.transposed``).
+    ``split``: row pattern of that matrix's parts (``routing.split_rows``; fused Q, K, V or gate, up),
+    each whitened apart unless the group says ``split_fused=False``; ``parts`` names them.
+    ``what``: the layout recognised and why (or why a fused layout is whitened whole).
+    ``whiten``: ``None`` leaves the rule to the usual classification; ``True`` makes a recognised stack
+    (3-D experts, each expert a matrix) SWAN's; ``False`` puts it on the fallback (``what`` says why).
+    ``stack``: a 2-D tensor ``(E·r, c)`` stacking ``E`` matrices along its rows (DBRX's experts) is
+    whitened as the stack ``(E, r, c)`` (the same elements in the same order), each matrix alone.
+    """
+
+    transposed: bool = False
+    split: tuple[int, ...] = ()
+    stack: int = 0
+    parts: str = ""
+    what: str = ""
+    whiten: bool | None = None
+
+    def describe(self, split_fused: bool = True) -> str:
+        """The summary's words for this form (orientation, then split)."""
+        if not (self.split and self.parts):
+            return self.what
+        part = f"as {self.parts}" if split_fused else f"fused {self.parts} whitened whole (split_fused=False)"
+        return f"{self.what}, {part}" if self.what else f"whitened {part}" if split_fused else part
+
+
 @dataclass
 class Member:
     """A logical parameter as the classifier sees it. ``holder`` carries the rule tag
@@ -107,6 +143,7 @@ class Member:
     param_name: str | None = None
     embedding: bool = False
     parts: str = ""  # a fused matrix whitened as parts: what they are, for the summary ("Q, K, V per query group")
+    form: Form | None = None  # orientation and split recognised from the module type (Adapter.form)
 
 
 class Adapter:
@@ -120,8 +157,12 @@ class Adapter:
     # the model was wrapped (every in-tree adapter); set False otherwise.
     reuse_pieces = True
 
-    def prepare(self, model: nn.Module) -> None:
-        """Record on a wrapped model's parameters what :meth:`pieces` needs (called by ``tag_model``)."""
+    def prepare(self, model: nn.Module) -> Sequence[tuple[str, Tensor]] | None:
+        """Record on a wrapped model's parameters what :meth:`pieces` needs (called by ``tag_model``).
+        Returns the (name, tensor) pairs, if any, that stand for parameters of ``model`` but are not among
+        ``model.named_parameters()`` (an enclosing FSDP1 unit's FlatParameter packing originals of
+        ``model`` only): the optimizer built from ``model`` manages them too."""
+        return None
 
     def name_bare(self, params: Sequence[Tensor]) -> nn.Module | None:
         """For bare, untagged tensors given to the optimizer: the module that owns them, if this
@@ -141,6 +182,13 @@ class Adapter:
         """The full logical shape of ``tensor``, whatever piece of it this rank holds."""
         return tuple(tensor.shape)
 
+    def form(self, module: nn.Module, param_name: str, shape: tuple[int, ...]) -> Form | None:
+        """How parameter ``param_name`` (full ``shape``, as stored) of ``module`` maps to matrices, if this
+        framework knows the module type (orientation, fused parts, stacked experts); ``None`` otherwise.
+        Asked by ``tag_model`` for every parameter whose module it knows; must be decided from the module
+        and its configuration alone (alike on every rank)."""
+        return None
+
     def check(self, tensor: Tensor, name: str) -> None:
         """Raise ``ValueError`` naming ``name`` if this tensor's layout is not supported (at construction,
         decided from what every rank sees alike)."""
@@ -152,7 +200,8 @@ class Adapter:
     def adopt(self, originals: list[tuple[str, Tensor]], params: list[Tensor], use_swan: bool, index: int,
               group: Any) -> list[Piece] | None:
         """Pieces for param group ``index`` whose tensors ``originals`` the framework replaced by
-        ``params``; ``None`` if this framework did not do it."""
+        ``params``; ``None`` if this framework did not do it: claim only a layout that really is this
+        framework's (an original is ``None`` where nothing holds it any more)."""
         return None
 
     def export_state(self, tensor: Tensor, state: dict, rules: tuple[bool, ...], stateful: set[int]) -> dict:
@@ -225,9 +274,20 @@ def members_of(tensor: Tensor, name: str | None) -> list[Member]:
     return adapter_for(tensor).members(tensor, name)
 
 
-def prepare_model(model: nn.Module) -> None:
+def form_of(module: nn.Module, param_name: str, shape: tuple[int, ...]) -> Form | None:
+    """The first adapter's :meth:`Adapter.form` answer for a module's parameter."""
     for adapter in _registry():
-        adapter.prepare(model)
+        if (found := adapter.form(module, param_name, tuple(shape))) is not None:
+            return found
+    return None
+
+
+def prepare_model(model: nn.Module) -> list[tuple[str, Tensor]]:
+    """Every adapter's :meth:`Adapter.prepare`; the tensors outside ``model.named_parameters()`` they report."""
+    outside: list[tuple[str, Tensor]] = []
+    for adapter in _registry():
+        outside += adapter.prepare(model) or ()
+    return outside
 
 
 def name_bare_params(params: Sequence[Tensor]) -> nn.Module | None:
@@ -242,29 +302,39 @@ def optimizer_built(optimizer: torch.optim.Optimizer) -> None:
         adapter.optimizer_built(optimizer)
 
 
-def adopt(originals: list[tuple[str, Tensor]], params: list[Tensor], use_swan: bool, index: int,
-          group: Any) -> tuple[list[Piece], bool]:
+def adopt(originals: list[tuple[str, Tensor | None]], params: list[Tensor], use_swan: bool, index: int,
+          group: Any, shapes: Sequence[tuple[int, ...]] | None = None) -> tuple[list[Piece], bool]:
     """Pieces for a param group whose tensors a framework replaced, and whether the replacement is
     one-to-one (then the optimizer adopts the new tensors for good, keeping names and rules).
 
-    Adapters first (flat partitions and the like); otherwise each new tensor of the same logical shape
-    as its original stands for it (DeepSpeed's fp32 copies, Accelerate's sharded DTensors)."""
+    ``originals``: the group's (name, tensor) as the optimizer was given them, the tensor ``None`` where
+    nothing holds it any more (the optimizer keeps only weak references); ``shapes``: their logical
+    shapes, recorded when the optimizer was built (default: asked of the live tensors).
+
+    Adapters first (flat partitions and the like: only a layout an adapter recognises as its own);
+    otherwise each new tensor of the same logical shape as its original stands for it, whatever
+    adapter claims it (DeepSpeed's fp32 copies, Accelerate's sharded DTensors)."""
     for adapter in _registry():
         found = adapter.adopt(originals, params, use_swan, index, group)
         if found is not None:
             return found, False
-    if len(params) == len(originals):
+    if shapes is None:
+        shapes = [None if old is None else adapter_for(old).shape(old) for _, old in originals]
+    if len(params) == len(originals) and all(s is not None for s in shapes):
         out = []
-        for (name, old), new in zip(originals, params):
+        for (name, _), shape, new in zip(originals, shapes, params):
             ad = adapter_for(new)
-            if ad.shape(new) != adapter_for(old).shape(old) or len(ad.members(new, name)) != 1:
+            if tuple(ad.shape(new)) != tuple(shape) or len(ad.members(new, name)) != 1:
                 break
             ad.check(new, name)
             out += ad.pieces(new, name, (use_swan,))
         else:
             return out, True
+    got = [list(adapter_for(p).shape(p)) for p in params[:3]]
+    want = [None if s is None else list(s) for s in shapes[:3]]
     raise ValueError(
-        f"swan_dist: param group {index}'s {len(originals)} tensors were replaced by {len(params)} tensors that are "
-        "neither tensors of the same shapes nor a layout an adapter knows; build the optimizer after the framework "
-        "wraps the model, or pass the wrapped model's parameters"
+        f"swan_dist: param group {index}'s {len(originals)} tensors (e.g. {[n for n, _ in originals[:3]]} of shapes "
+        f"{want}) were replaced by {len(params)} tensors (shapes {got}...) that are neither tensors of the same "
+        "shapes, one for one, nor a layout an adapter knows; build the optimizer after the framework wraps the "
+        "model, or pass the wrapped model's parameters"
     )

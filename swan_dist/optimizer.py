@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import operator
 import warnings
+import weakref
 import zlib
 from collections import Counter, defaultdict
 from typing import Any, Callable, Iterable, Sequence
@@ -22,12 +23,13 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim.adam import adam as _adam_functional
 
-from .adapter import (Member, Piece, adapter_for, adopt, name_bare_params, optimizer_built, registry_token, repoint,
-                      reusable, tensor_key)
+from .adapter import (Form, Member, Piece, adapter_for, adopt, name_bare_params, optimizer_built, registry_token,
+                      repoint, reusable, tensor_key)
 from .functional import WhitenConfig, resolve_dtype, swan_update
 from .presets import OPTIMIZER_KEYS, load_preset
-from .routing import ROW_MAJOR, Exchange, MatrixSpec, StepAgreement, build_plan, comm_device, split_rows
-from .selection import Rule, classify, collapse_name, param_groups, tag_model, tagged_name
+from .routing import ROW_MAJOR, Exchange, Layout, MatrixSpec, StepAgreement, build_plan, comm_device, split_rows
+from . import selection as _selection
+from .selection import Rule, classify, collapse_name, param_groups, tag_model, tagged_form, tagged_name
 
 __all__ = ["SWAN", "FALLBACKS"]
 
@@ -67,6 +69,8 @@ def _check_group(group: dict) -> None:
         raise ValueError(f"fallback must be one of {FALLBACKS}, got {group['fallback']!r}")
     if group["nonfinite"] not in NONFINITE:
         raise ValueError(f"nonfinite must be one of {NONFINITE}, got {group['nonfinite']!r}")
+    if not isinstance(group.get("split_fused", True), bool):
+        raise ValueError(f"split_fused must be True or False, got {group['split_fused']!r}")
     for key in ("lr", "alpha", "weight_decay", "eps"):
         if float(group[key]) < 0:
             raise ValueError(f"{key} must be >= 0, got {group[key]}")
@@ -113,6 +117,33 @@ def _scalar(value: float, like: Tensor) -> float | Tensor:
     return value
 
 
+class _Origin:
+    """A tensor a param group was given: its name, logical shape and rule tags, and only a *weak* reference
+    to it. A framework that replaces a group's tensors (Accelerate's FSDP2 preparation puts the sharded
+    DTensors in ``param_groups`` and drops the full-size originals) frees them: the optimizer must not keep
+    them alive. Unpacks as ``(name, tensor)``, the tensor ``None`` once nothing else holds it."""
+
+    __slots__ = ("name", "shape", "tags", "ref")
+    TAGS = (_selection._TAG, _selection._NAME_TAG, _selection._FORM_TAG)  # the tags tag_model leaves on a tensor
+
+    def __init__(self, name: str, tensor: Tensor, shape: tuple[int, ...] | None = None,
+                 tags: dict | None = None) -> None:
+        self.name = name
+        self.shape = tuple(adapter_for(tensor).shape(tensor)) if shape is None else tuple(shape)
+        self.tags = {k: getattr(tensor, k) for k in self.TAGS if hasattr(tensor, k)} if tags is None else tags
+        self.ref = weakref.ref(tensor)
+
+    def __iter__(self):
+        return iter((self.name, self.ref()))
+
+    def __getstate__(self) -> tuple:  # pickled with the tensor (shared with param_groups in the same pickle)
+        return self.name, self.shape, self.tags, self.ref()
+
+    def __setstate__(self, state: tuple) -> None:
+        self.name, self.shape, self.tags, tensor = state
+        self.ref = (lambda: None) if tensor is None else weakref.ref(tensor)
+
+
 def _rank0() -> bool:
     return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
 
@@ -148,6 +179,11 @@ class SWAN(torch.optim.Optimizer):
         strict: raise ``ValueError`` (instead of a warning) when SWAN would whiten 2-D tensors it cannot
             name (bare ``model.parameters()``: embeddings and the output head would be whitened), or
             ends up whitening none of the 2-D tensors it was given.
+        split_fused: whiten a fused projection recognised from its module type (Q, K, V of GPT-2's
+            ``c_attn``, GPT-NeoX's ``query_key_value``, Phi-3's ``qkv_proj``; gate, up of a ``gate_up_proj``,
+            per MoE expert too; Megatron's ``linear_qkv``/``linear_fc1``) as its separate matrices
+            (``True``, the default) or whole (``False``); also a param-group option. Orientation (a weight
+            stored ``(in, out)`` is whitened as its transpose) does not depend on it.
         verbose: print the start-up summary (rank 0 only).
     """
 
@@ -175,6 +211,7 @@ class SWAN(torch.optim.Optimizer):
         process_group: dist.ProcessGroup | None = None,
         strict: bool = False,
         verbose: bool = True,
+        split_fused: bool = True,
     ) -> None:
         defaults: dict[str, Any] = dict(_BASE)
         self.preset = None
@@ -191,6 +228,7 @@ class SWAN(torch.optim.Optimizer):
         if "lr" not in defaults:
             raise ValueError("SWAN: lr is required when no preset is given")
         defaults["betas"] = tuple(defaults["betas"])
+        defaults["split_fused"] = split_fused
         _check_group(defaults)
         if mode not in ("auto", "owner", "replicated", "local"):
             raise ValueError(f"mode must be 'auto', 'owner', 'replicated' or 'local', got {mode!r}")
@@ -199,7 +237,8 @@ class SWAN(torch.optim.Optimizer):
         self._plans: dict[tuple, Exchange] = {}
         self._include, self._exclude = list(include or ()), list(exclude or ())
         self._rows: list[tuple[str, tuple[int, ...], str, Rule]] = []  # for the summary, not state
-        self._origin: list[list[tuple[str, Tensor]]] = []  # per group: the (name, parameter) it was given
+        self._forms: dict[str, Form] = {}  # SWAN matrix name -> orientation / fused split (see _orient)
+        self._origin: list[list[_Origin]] = []  # per group: the (name, parameter) it was given, held weakly
         self._packed: dict[Tensor, tuple[bool, ...]] = {}  # a tensor packing several parameters -> use_swan each
         self._agreement = StepAgreement()
         self._reuse: dict[int, tuple] = {}  # id(tensor) -> (group, registry, tensor_key, piece): see _entries
@@ -209,8 +248,12 @@ class SWAN(torch.optim.Optimizer):
         if isinstance(params, nn.Module):
             params = param_groups(params, self._include, self._exclude)
         else:
-            params = list(params)
-            bare = [p for p in params if isinstance(p, Tensor)]
+            params = [{**g, "params": [g["params"]] if isinstance(g["params"], Tensor) else list(g["params"])}
+                      if isinstance(g, dict) else g for g in params]
+            # bare tensors, alone or in groups without names (Trainer's weight-decay groups)
+            bare = [p for p in params if isinstance(p, Tensor)] + [
+                p for g in params if isinstance(g, dict) and not g.get("param_names") for p in g["params"]
+                if isinstance(p, Tensor)]
             if bare and all(tagged_name(p) is None for p in bare) and (model := name_bare_params(bare)) is not None:
                 tag_model(model, self._include, self._exclude)  # e.g. built by DeepSpeed from "type": "SWAN"
         super().__init__(params, defaults)
@@ -243,7 +286,7 @@ class SWAN(torch.optim.Optimizer):
     # rebuilt on the next step; a process group cannot be copied (a copy uses the default group
     # until ``process_group`` is set again).
     _PICKLED = ("preset", "mode", "bucket_mb", "_include", "_exclude", "_rows", "_origin", "nonfinite_skips",
-                "whitened_matrices", "_packed")
+                "whitened_matrices", "_packed", "_forms")
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
@@ -254,9 +297,12 @@ class SWAN(torch.optim.Optimizer):
         super().__setstate__(state)
         # unpickling: absent, so defaults; torch's load_state_dict also calls this: keep what is set
         for key, default in (("process_group", None), ("_plan", None), ("_plans", {}), ("_reuse", {}),
-                             ("_hashes", None)):
+                             ("_hashes", None), ("_forms", {})):
             self.__dict__.setdefault(key, default)
         self.__dict__.setdefault("_agreement", StepAgreement())
+        origin = self.__dict__.get("_origin")
+        if origin and any(isinstance(o, tuple) for g in origin for o in g):  # pickled (name, tensor) pairs
+            self._origin = [[o if isinstance(o, _Origin) else _Origin(*o) for o in g] for g in origin]
 
     # ------------------------------------------------------------------ groups and summary
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -295,7 +341,7 @@ class SWAN(torch.optim.Optimizer):
                 if names is not None:
                     g["param_names"] = ns
                 super().add_param_group(g)
-                self._origin.append(list(zip(ns, ps)))
+                self._origin.append([_Origin(n, q) for n, q in zip(ns, ps)])
 
     def _rule(self, name: str | None, label: str, p: Member, forced: bool | None, group: dict) -> bool:
         """Rule of one logical parameter, recorded for the summary; True for SWAN."""
@@ -306,8 +352,17 @@ class SWAN(torch.optim.Optimizer):
                 raise ValueError(f"param group use_swan=True but {name or 'a parameter'} is {len(shape)}-D")
         else:
             rule = classify(name, p, self._include, self._exclude)
+        split_fused = bool(group.get("split_fused", True))
         if rule.use_swan and p.parts:
-            rule = Rule(True, f"{rule.reason}; whitened as {p.parts}")
+            rule = Rule(True, f"{rule.reason}; " + (f"whitened as {p.parts}" if split_fused else
+                                                     f"fused {p.parts} whitened whole (split_fused=False)"))
+        form = tagged_form(p)
+        if rule.use_swan and form is not None:
+            if form.transposed or form.split or form.stack:
+                self._forms[label] = form
+            words = form.describe(split_fused)
+            if words:
+                rule = Rule(True, words if rule.reason == form.what else f"{rule.reason}; {words}")
         self._rows.append((label, shape, "SWAN" if rule.use_swan else f"fallback:{group['fallback']}", rule))
         return rule.use_swan
 
@@ -382,6 +437,8 @@ class SWAN(torch.optim.Optimizer):
                     self.state.pop(p, None)
                 elif self.state.get(p):
                     self.state[p] = adapter_for(p).import_state(p, self.state[p], rules or (g["use_swan"],))
+                else:  # an empty entry would only keep the tensor alive (e.g. after a framework replaced it)
+                    self.state.pop(p, None)
 
     # ------------------------------------------------------------------ step
     # The step's bookkeeping is O(1) collectives and host syncs and little Python per parameter: pieces
@@ -400,7 +457,7 @@ class SWAN(torch.optim.Optimizer):
         entries: list[tuple[dict, Piece]] = []
         try:
             try:
-                entries, failure = self._entries(group), None
+                entries, failure = self._orient(self._entries(group)), None
             except (ValueError, TypeError) as e:  # a layout check failed here: tell every rank, then all raise
                 if world == 1:
                     raise
@@ -476,10 +533,11 @@ class SWAN(torch.optim.Optimizer):
         self._reuse = kept  # tensors no longer in a group are dropped
         for gi, g in enumerate(self.param_groups):
             origin, params = self._origin[gi], g["params"]
-            if len(origin) != len(params) or not all(map(operator.is_, params, (q for _, q in origin))):
-                found, one_to_one = adopt(origin, params, g["use_swan"], gi, group)
-                if one_to_one:  # the new tensors stand for the old for good; hold no reference to the old
-                    self._origin[gi] = [(n, p) for (n, _), p in zip(origin, params)]
+            if len(origin) != len(params) or not all(map(operator.is_, params, (o.ref() for o in origin))):
+                found, one_to_one = adopt([tuple(o) for o in origin], params, g["use_swan"], gi, group,
+                                          [o.shape for o in origin])
+                if one_to_one:  # the new tensors stand for the old for good
+                    self._adopt_tensors(gi, params)
                 entries += [(g, pc) for pc in found]
                 continue
             swan_g = None  # this group's options, for a packed tensor's SWAN members
@@ -503,6 +561,61 @@ class SWAN(torch.optim.Optimizer):
                         swan_g = {**g, "use_swan": True}
                     entries += [(swan_g if use else g, pc) for use, pc in zip(rules, found)]
         return entries
+
+    def _orient(self, entries: list[tuple[dict, Piece]]) -> list[tuple[dict, Piece]]:
+        """Each SWAN piece in the paper's orientation, with its fused parts: a matrix whose :class:`Form`
+        (recognised from its module type when the optimizer was built, kept by name) says it is stored
+        ``(..., in, out)`` gets the transposed canonical order (``Layout.transposed``: the adapter's ranges,
+        numbered on the stored tensor, are unchanged) and its logical shape ``(..., out, in)``; its row
+        pattern ``split`` unless the group says ``split_fused=False`` (then no piece is split); a 2-D
+        tensor stacking ``stack`` matrices along its rows, the 3-D stack. In place and idempotent (pieces
+        kept from step to step are seen again)."""
+        forms = self._forms
+        if not forms and all(g.get("split_fused", True) for g in self.param_groups):
+            return entries  # nothing recognised, nothing to unsplit: the adapters' pieces as they are
+        for g, pc in entries:
+            if not g["use_swan"]:
+                continue
+            form = forms.get(pc.name) if forms else None
+            if form is not None:
+                if form.stack and len(pc.shape) == 2:  # (E·r, c) rows of E matrices: the stack (E, r, c)
+                    pc.shape = (form.stack, pc.shape[0] // form.stack, pc.shape[1])
+                if form.transposed and not pc.layout.transposed:
+                    pc.layout = Layout(pc.layout.col_splits, True)
+                    pc.shape = (*pc.shape[:-2], pc.shape[-1], pc.shape[-2])
+                if form.split and pc.split != form.split:
+                    pc.split = form.split
+            if pc.split and not g.get("split_fused", True):
+                pc.split = ()
+        return entries
+
+    def _adopt_tensors(self, gi: int, params: list[Tensor]) -> None:
+        """Group ``gi``'s tensors were replaced one for one (same logical shapes): each new tensor takes its
+        original's name, rule tags and fallback state (state key moved: a tensor shaped and typed like the
+        new one; other state is refused, naming the parameter), and nothing here refers to the original."""
+        records = []
+        for o, new in zip(self._origin[gi], params):
+            old = o.ref()
+            if old is not None and old is not new:
+                self._packed.pop(old, None)
+                self._reuse.pop(id(old), None)
+                st = self.state.pop(old, None)
+                if st and not self.state.get(new):
+                    like = type(new.detach())
+                    bad = [k for k, v in st.items() if isinstance(v, Tensor) and k != "step"
+                           and (type(v.detach()) is not like or v.shape != new.shape or v.device != new.device)]
+                    if bad:
+                        raise ValueError(
+                            f"swan_dist: {o.name!r} has optimizer state {bad} shaped like the tensor it was given "
+                            f"({type(old.detach()).__name__} {list(old.shape)}), which a framework replaced by a "
+                            f"{like.__name__} {list(new.shape)} on {new.device}; load the optimizer state after the "
+                            "framework prepares the model (e.g. accelerator.load_state after accelerator.prepare)")
+                    self.state[new] = st
+            for key, value in o.tags.items():
+                if getattr(new, key, None) is None:
+                    setattr(new, key, value)
+            records.append(_Origin(o.name, new, o.shape, o.tags))
+        self._origin[gi] = records
 
     def _release(self, entries: list) -> None:
         """After a step no piece the optimizer holds (kept for reuse, or remembered by :meth:`_hashes_of`)
@@ -596,7 +709,7 @@ class SWAN(torch.optim.Optimizer):
             per = max(1, bound // max(1, 4 * numel))
             for k in range(0, len(idx), per):
                 chunk = [entries[i] for i in idx[k : k + per]]
-                plain = all(pc.layout is ROW_MAJOR or not pc.layout.col_splits for _, pc in chunk)
+                plain = all(pc.layout is ROW_MAJOR or pc.layout.plain for _, pc in chunk)
                 if plain:  # row-major: the flat gradients are the matrices' elements in order
                     stack = torch.stack([pc.grad for _, pc in chunk]).view(len(chunk), *shape)
                 else:
@@ -666,9 +779,10 @@ class SWAN(torch.optim.Optimizer):
 
     def _descriptors(self, entries: list) -> list[tuple]:
         """What every rank must agree on, per parameter (name, shape, layout, dtype, rule, hyper-parameters)."""
-        keys = sorted(OPTIMIZER_KEYS) + ["use_swan"]
+        keys = sorted(OPTIMIZER_KEYS) + ["use_swan", "split_fused"]
         return [
-            (pc.name, pc.shape, (pc.layout.col_splits, pc.split), str(pc.param.dtype), tuple((k, repr(g.get(k))) for k in keys))
+            (pc.name, pc.shape, (pc.layout.col_splits, pc.layout.transposed, pc.split), str(pc.param.dtype),
+             tuple((k, repr(g.get(k))) for k in keys))
             for g, pc in entries
         ] + [("<engine>", self.mode, self.bucket_mb)]
 
@@ -683,7 +797,7 @@ class SWAN(torch.optim.Optimizer):
         """(:meth:`_config_hash`, :meth:`_layout_hash`), recomputed only when what they read may differ
         from the last step: another piece object in some place (pieces are immutable but for their
         gradient views), another group for some entry, or some group's options."""
-        keys = sorted(OPTIMIZER_KEYS) + ["use_swan"]
+        keys = sorted(OPTIMIZER_KEYS) + ["use_swan", "split_fused"]
         where: dict[int, int] = {}
         groups: list[tuple] = []
         owner = []

@@ -44,40 +44,62 @@ Segment = tuple[int, int, int]  # (matrix index, lo, hi)
 class Layout:
     """The canonical order in which a matrix's elements are numbered for the exchange.
 
-    The last dim is cut into column blocks ``[0, c_1), [c_1, c_2), ..., [c_k, n)`` (``col_splits`` =
-    ``(c_1, ..., c_k)``), numbered block after block, each block in row-major order over all other dims.
-    ``()`` is plain row-major order. A tensor-parallel column split (``Shard(1)``, a row-parallel
-    layer) makes each rank's block, and any row range of it, one contiguous range of this order;
+    Numbered on the *stored* tensor: the matrix's shape, or with ``transposed`` its last two dims
+    swapped (a weight stored ``(..., in, out)``, e.g. Transformers' ``Conv1D`` or transposed MoE
+    experts, whose matrix in the paper's orientation ``(..., out, in)`` is the stored one transposed).
+    The stored tensor's last dim is cut into column blocks ``[0, c_1), [c_1, c_2), ..., [c_k, n)``
+    (``col_splits`` = ``(c_1, ..., c_k)``), numbered block after block, each block in row-major order over
+    all other dims. ``()`` is plain row-major order of the stored tensor. A tensor-parallel column split
+    (``Shard(1)``, a row-parallel layer) makes each rank's block, and any row range of it, one contiguous
+    range of this order, and so does any row range of the stored tensor (an FSDP2 ``Shard(0)``);
     the owner maps the assembled buffer back with :meth:`to_full` (SWAN is equivariant to row and
-    column permutations but not to transposition, so blocks are put back along columns).
+    column permutations but not to transposition, so blocks are put back along columns and a stored
+    ``(in, out)`` tensor is transposed).
     """
 
     col_splits: tuple[int, ...] = ()
+    transposed: bool = False
+
+    @property
+    def plain(self) -> bool:
+        """Whether the canonical order is the matrix's own row-major order (a flat view is the matrix)."""
+        return not self.col_splits and not self.transposed
+
+    def stored(self, shape: Sequence[int]) -> tuple[int, ...]:
+        """The stored tensor's shape for the matrix's ``shape``."""
+        shape = tuple(shape)
+        return (*shape[:-2], shape[-1], shape[-2]) if self.transposed else shape
 
     def _blocks(self, n: int) -> list[tuple[int, int]]:
         bounds = (0, *self.col_splits, n)
         return list(zip(bounds[:-1], bounds[1:]))
 
     def to_full(self, flat: Tensor, shape: Sequence[int]) -> Tensor:
-        """The matrix (``shape``) whose canonical-order elements are ``flat``."""
+        """The matrix (``shape``, the paper's orientation) whose canonical-order elements are ``flat``."""
+        stored = self.stored(shape)
         if not self.col_splits:
-            return flat.view(*shape)
-        lead, parts, off = tuple(shape[:-1]), [], 0
-        rows = math.prod(lead)
-        for a, b in self._blocks(shape[-1]):
-            parts.append(flat[off: off + rows * (b - a)].view(*lead, b - a))
-            off += rows * (b - a)
-        return torch.cat(parts, dim=-1)
+            full = flat.view(*stored)
+        else:
+            lead, parts, off = tuple(stored[:-1]), [], 0
+            rows = math.prod(lead)
+            for a, b in self._blocks(stored[-1]):
+                parts.append(flat[off: off + rows * (b - a)].view(*lead, b - a))
+                off += rows * (b - a)
+            full = torch.cat(parts, dim=-1)
+        return full.transpose(-1, -2) if self.transposed else full
 
     def from_full(self, full: Tensor) -> Tensor:
         """Inverse of :meth:`to_full`: the matrix's elements in canonical order, flat."""
+        if self.transposed:
+            full = full.transpose(-1, -2)
         if not self.col_splits:
             return full.reshape(-1)
         return torch.cat([full[..., a:b].reshape(-1) for a, b in self._blocks(full.shape[-1])])
 
     def box_range(self, shape: Sequence[int], start: Sequence[int], size: Sequence[int]) -> Range | None:
-        """The canonical range of the box ``start[d] <= i_d < start[d] + size[d]`` (a DTensor's local
-        shard), or ``None`` where the box is not one contiguous range of this order."""
+        """The canonical range of the box ``start[d] <= i_d < start[d] + size[d]`` of the *stored* tensor
+        (``shape``: the stored shape; a DTensor's local shard), or ``None`` where the box is not one
+        contiguous range of this order."""
         if 0 in size:
             return (0, 0)
         blocks = self._blocks(shape[-1])
@@ -103,7 +125,7 @@ class MatrixSpec:
     """What every rank must agree on about one managed matrix."""
 
     key: str
-    shape: tuple[int, ...]  # full shape, >= 2-D; leading dims are a stack of matrices
+    shape: tuple[int, ...]  # full shape in the paper's orientation (out, in), >= 2-D; leading dims: a stack
     cfg: Hashable  # the per-matrix computation's options (SWAN: a WhitenConfig)
     layout: Layout = ROW_MAJOR  # the canonical order the ranks' ranges number elements in
     split: tuple[int, ...] = ()  # row pattern of a fused matrix computed as separate parts (split_rows)
@@ -720,9 +742,9 @@ class Exchange:
         """Flat canonical-order updates of one stack of same (shape, config, split) matrices."""
         specs = [self.plan.specs[m] for m in ms]
         shape, cfg, split = specs[0].shape, specs[0].cfg, specs[0].split
-        plain = [not s.layout.col_splits for s in specs]
+        plain = [s.layout.plain for s in specs]
         full = stack.view(len(ms), *shape)
-        if not all(plain):  # canonical order -> the matrix (column blocks put back), row by row
+        if not all(plain):  # canonical order -> the matrix (column blocks put back, transposed), row by row
             full = torch.stack([f if p else s.layout.to_full(r, shape)
                                 for f, p, s, r in zip(full, plain, specs, stack)])
         upd = split_rows(full, split, lambda x: self.compute(x, cfg))

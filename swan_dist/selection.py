@@ -21,9 +21,10 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from .adapter import Member, members_of, prepare_model
+from .adapter import Form, Member, form_of, members_of, prepare_model
 
-__all__ = ["Rule", "DEFAULT_EXCLUDE", "classify", "tag_model", "param_groups", "collapse_name", "tagged_name"]
+__all__ = ["Rule", "DEFAULT_EXCLUDE", "classify", "tag_model", "param_groups", "collapse_name", "tagged_name",
+           "tagged_form"]
 
 # Module-path components that name an embedding or an output head (LLaMA, HF, GPT-2, Megatron, ...).
 DEFAULT_EXCLUDE = (
@@ -33,6 +34,7 @@ DEFAULT_EXCLUDE = (
 
 _TAG = "_swan_rule"
 _NAME_TAG = "_swan_name"
+_FORM_TAG = "_swan_form"  # a Form: orientation / fused split / expert stack recognised from the module type
 
 
 @dataclass(frozen=True)
@@ -100,9 +102,20 @@ def tag_model(
     parameter itself so that optimizers built from bare parameters (DeepSpeed, DDP) still know it.
 
     ``nn.Linear`` weights get SWAN unless named like an output head or shared with an embedding;
-    ``nn.Embedding`` weights, norms and biases take the fallback rule. Returns ``{name: Rule}``.
+    ``nn.Embedding`` weights, norms and biases take the fallback rule. Where an adapter recognises the
+    module type (:meth:`~swan_dist.adapter.Adapter.form`: a weight stored ``(in, out)``, fused Q/K/V or
+    gate/up projections, stacked MoE experts) the :class:`~swan_dist.adapter.Form` is left on the
+    parameter too, and a recognised 3-D expert stack is whitened per expert. Returns ``{name: Rule}``.
     """
-    prepare_model(model)  # adapters record what they need on a wrapped model (FSDP1's flat views)
+    return _tag(model, include, exclude)[0]
+
+
+def _tag(model: nn.Module, include: Sequence[str] | None, exclude: Sequence[str] | None
+         ) -> tuple[dict[str, Rule], list[tuple[str, torch.Tensor]]]:
+    """:func:`tag_model`, and the tensors outside ``model.named_parameters()`` that adapters reported as
+    standing for ``model``'s parameters (an enclosing FSDP1 unit's FlatParameter)."""
+    # adapters record what they need on a wrapped model (FSDP1's flat views) and report tensors held outside it
+    outside = prepare_model(model)
     embed_ids = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     by_id: dict[int, tuple[nn.Module, str]] = {}
     for mod_name, mod in model.named_modules():
@@ -112,27 +125,36 @@ def tag_model(
     for name, p in model.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(p), []).append(clean_name(name))
     rules: dict[str, Rule] = {}
-    for name, p in model.named_parameters():
+    for name, p in [*model.named_parameters(), *outside]:
         members = members_of(p, clean_name(name))
         if len(members) == 1 and members[0].holder is p:  # the tensor is the parameter: its module is known
             mod, pname = by_id[id(p)]
-            members = [Member(clean_name(name), members[0].shape, p, mod, pname, id(p) in embed_ids, members[0].parts)]
+            members = [Member(clean_name(name), members[0].shape, p, mod, pname, id(p) in embed_ids, members[0].parts,
+                              members[0].form)]
         for t in members:
             name, mod, pname = t.name, t.module, t.param_name
+            form = t.form
+            if form is None and mod is not None and pname is not None and not t.embedding:
+                form = form_of(mod, pname, t.shape)
             rule = classify(name, t, include, exclude)
             user_matched = _search(exclude, name) or _search(include, name)
             if not user_matched:
                 if t.embedding:
                     tied = [a for a in aliases.get(id(t.holder), ()) if a != name]
                     rule = Rule(False, "nn.Embedding weight" + (f" (tied with {', '.join(tied)})" if tied else ""))
+                elif form is not None and form.whiten is not None and not _search(DEFAULT_EXCLUDE, name):
+                    rule = Rule(form.whiten, form.what)
+                elif form is not None and form.what and len(t.shape) == 2 and rule.use_swan:
+                    rule = Rule(True, form.what)  # e.g. "Conv1D weight (in, out): whitened transposed"
                 elif isinstance(mod, nn.Linear) and pname == "weight" and rule.use_swan:
                     rule = Rule(True, "nn.Linear weight")
                 elif len(t.shape) == 2 and rule.use_swan:
                     rule = Rule(True, f"2-D weight of {type(mod).__name__}")
             setattr(t.holder, _TAG, rule)
             setattr(t.holder, _NAME_TAG, name)
+            setattr(t.holder, _FORM_TAG, form)
             rules[name] = rule
-    return rules
+    return rules, outside
 
 
 def param_groups(
@@ -143,14 +165,20 @@ def param_groups(
 ) -> list[dict]:
     """Tag ``model``'s parameters (:func:`tag_model`) and return one named param group for SWAN.
     Extra keyword arguments become group options (``fallback="sign"``, ``weight_decay=0.1``, ...)."""
-    tag_model(model, include, exclude)
-    named = [(clean_name(n), p) for n, p in model.named_parameters() if p.requires_grad]
+    _, outside = _tag(model, include, exclude)
+    named = [(clean_name(n), p) for n, p in [*model.named_parameters(), *outside] if p.requires_grad]
     return [{"params": [p for _, p in named], "param_names": [n for n, _ in named], **group_options}]
 
 
 def tagged_name(param: torch.Tensor) -> str | None:
     """The name :func:`tag_model` recorded on a parameter, if any."""
     return getattr(param, _NAME_TAG, None)
+
+
+def tagged_form(member: Member) -> Form | None:
+    """The :class:`~swan_dist.adapter.Form` of a logical parameter: its own, or the one :func:`tag_model`
+    left on its holder."""
+    return member.form if member.form is not None else getattr(member.holder, _FORM_TAG, None)
 
 
 def collapse_name(name: str) -> str:

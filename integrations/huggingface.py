@@ -1,0 +1,87 @@
+"""Hugging Face Transformers' ``Trainer`` (and, through it, Accelerate): how SWAN always gets the model.
+
+SWAN classifies parameters by module type and name (embeddings and the output head take the fallback
+rule), so it must see the model, not bare tensors. The documented entry point is :class:`SWANFactory`,
+an optimizer *factory* in Transformers' sense (``transformers.trainer_optimizer.is_optimizer_factory``:
+anything that is not an ``Optimizer`` subclass; ``Trainer.create_optimizer`` calls
+``factory()(model, **kwargs)``)::
+
+    Trainer(model=model, args=args, train_dataset=ds,
+            optimizer_cls_and_kwargs=(swan_dist.SWANFactory, {"preset": "swan_ddagger", "lr": 0.02}))
+
+``Trainer.create_optimizer`` hands the factory the model it would have grouped: the plain model under
+DDP and FSDP2 (the optimizer is built before ``accelerator.prepare``, which swaps in the sharded
+DTensors; SWAN adopts them, :func:`swan_dist.adapter.adopt`), the FSDP1-wrapped model under FSDP1.
+
+The bare form ``optimizer_cls_and_kwargs=(swan_dist.SWAN, kwargs)`` makes the Trainer pass two
+unnamed weight-decay groups. :class:`HuggingFaceAdapter` finds the Trainer that is building the
+optimizer (a caller up the stack, as DeepSpeed's engine is found for ``"type": "SWAN"``) and the model
+whose ``named_parameters`` produced those groups, so SWAN tags that model and the bare tensors keep
+their names and rules. It claims no tensor: the tensors are the DDP / DTensor / FSDP1 adapters'.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Sequence
+
+from torch import Tensor, nn
+
+from swan_dist.adapter import Adapter
+
+__all__ = ["SWANFactory", "HuggingFaceAdapter", "trainer_model"]
+
+
+class SWANFactory:
+    """``Trainer(optimizer_cls_and_kwargs=(swan_dist.SWANFactory, {...}))``: SWAN built on the Trainer's
+    model, with the keyword arguments of :class:`swan_dist.SWAN` (``preset``, ``lr``, ``fallback``, ...).
+
+    ``TrainingArguments.learning_rate`` and ``weight_decay`` do not reach a custom optimizer (as for any
+    ``optimizer_cls_and_kwargs``): give ``lr`` here or take the preset's. The Trainer's scheduler
+    (``lr_scheduler_type``, ``warmup_steps``) scales the lr of every SWAN group; the preset's own warm-up
+    and cosine schedule belong to the reference trainer and are not applied.
+    """
+
+    def __call__(self, model: nn.Module, **kwargs: Any):
+        from swan_dist.optimizer import SWAN
+
+        if not isinstance(model, nn.Module):
+            raise TypeError(
+                f"swan_dist.SWANFactory expects the model from Trainer.create_optimizer, got {type(model).__name__}; "
+                "pass it as Trainer(optimizer_cls_and_kwargs=(swan_dist.SWANFactory, {...})), or build "
+                "swan_dist.SWAN(model, ...) yourself"
+            )
+        return SWAN(model, **kwargs)
+
+
+def trainer_model(params: Sequence[Tensor]) -> nn.Module | None:
+    """The model a ``transformers.Trainer`` up the call stack is building an optimizer for, if these bare
+    tensors are its parameters (``create_optimizer``'s ``opt_model``, else the Trainer's models)."""
+    if "transformers.trainer" not in sys.modules:  # no Trainer can exist
+        return None
+    from transformers.trainer import Trainer
+
+    ids = {id(p) for p in params}
+    frame = sys._getframe(1)
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, Trainer):
+            for model in (frame.f_locals.get("opt_model"), getattr(owner, "model_wrapped", None),
+                          getattr(owner, "model", None)):
+                if isinstance(model, nn.Module) and ids <= {id(p) for p in model.parameters()}:
+                    return model
+        frame = frame.f_back
+    return None
+
+
+class HuggingFaceAdapter(Adapter):
+    """Names for the bare groups ``Trainer.create_optimizer`` passes to ``SWAN`` (``optimizer_cls_and_kwargs=
+    (swan_dist.SWAN, ...)``); no tensor is this adapter's."""
+
+    name = "huggingface"
+
+    def claims(self, tensor: Tensor) -> bool:
+        return False
+
+    def name_bare(self, params: Sequence[Tensor]) -> nn.Module | None:
+        return trainer_model(params)
