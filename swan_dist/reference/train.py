@@ -1,4 +1,4 @@
-"""Reference trainer: a LLaMA-style model on real text with SWAN or AdamW.
+"""Reference trainer: a LLaMA-style model on real text with SWAN, or the AdamW / Muon baselines.
 
     python -m swan_dist.reference.train --config configs/train/main.yaml [--set key=value ...]
     torchrun --nproc_per_node 2 -m swan_dist.reference.train --config configs/train/main.yaml
@@ -54,12 +54,12 @@ class TrainConfig:
     batch_size: int = 16  # sequences per rank and micro-step
     grad_accum: int = 1
     steps: int = 250
-    optimizer: str = "swan"  # swan | adamw
+    optimizer: str = "swan"  # swan | adamw | muon (baseline: torch's Muon on SWAN's matrices, AdamW on the rest)
     preset: str = "swan_ddagger"  # SWAN preset (swan_0, swan_dagger, swan_ddagger)
-    lr: float | None = None  # None: the preset's lr (swan) or 1e-3 (adamw)
+    lr: float | None = None  # None: the preset's lr (swan) or 1e-3 (adamw, muon)
     weight_decay: float = 0.0
     fallback: str = "adamw"  # optimizer for parameters SWAN does not handle
-    warmup_ratio: float | None = None  # None: the preset's schedule (swan) or 0.1 (adamw)
+    warmup_ratio: float | None = None  # None: the preset's schedule (swan) or 0.1 (adamw, muon)
     min_lr_ratio: float | None = None  # cosine decays to min_lr_ratio * lr; None as above
     grad_clip: float = 1.0  # max global grad norm; 0 disables
     eval_every: int = 50
@@ -96,7 +96,7 @@ class TrainConfig:
             if value is not None:  # YAML reads "1e-3" (no dot) as a string
                 setattr(self, name, float(value))
         choices = {
-            "optimizer": ("swan", "adamw"), "parallel": tuple(PARALLEL), "backend": ("auto", "gloo", "nccl"),
+            "optimizer": ("swan", "adamw", "muon"), "parallel": tuple(PARALLEL), "backend": ("auto", "gloo", "nccl"),
             "swan_mode": ("auto", "owner", "replicated", "local"),
             "device": ("auto", "cpu", "cuda"), "dtype": ("float32", "bfloat16"),
         }  # fmt: skip
@@ -114,6 +114,10 @@ class TrainConfig:
         self.resume = str(self.resume)
         if not self.resume:
             raise ValueError("config resume: auto, never, or a checkpoint path")
+        if self.optimizer == "muon" and self.parallel not in MUON_PARALLEL:
+            raise ValueError(f"config optimizer=muon (the torch.optim.Muon baseline) needs whole matrices on every "
+                             f"rank: parallel={self.parallel!r} hands the optimizer shards (FSDP) or builds its own "
+                             f"(DeepSpeed); use parallel in {list(MUON_PARALLEL)}, or optimizer=swan")
         if (self.parallel == "deepspeed") != (self.deepspeed_config is not None):
             raise ValueError("config deepspeed_config is required with parallel: deepspeed, and only then")
         if self.deepspeed_config is not None:
@@ -286,8 +290,105 @@ def build_model(cfg: TrainConfig, vocab_size: int) -> Llama:
     return Llama(model_config(cfg.model.get("size", "tiny"), vocab_size=vocab_size, **overrides))
 
 
+# Strategies under which every rank's optimizer sees whole matrices (Muon orthogonalises a whole matrix;
+# FSDP1/FSDP2/ZeRO hand it shards, and torch's Muon has no engine that gathers them as SWAN's does).
+MUON_PARALLEL = ("none", "ddp")
+
+
+def _decays(name: str, p: torch.Tensor) -> bool:
+    """AdamW's weight-decay rule: matrices other than the token embedding decay; vectors never."""
+    return p.ndim >= 2 and not name.startswith("tok_embeddings")
+
+
+def _adamw_groups(named: Sequence[tuple[str, torch.Tensor]], weight_decay: float) -> list[dict[str, Any]]:
+    """AdamW's groups (named, empty ones dropped): weight decay where :func:`_decays`, none elsewhere."""
+    decay = [(n, p) for n, p in named if _decays(n, p)]
+    rest = [(n, p) for n, p in named if not _decays(n, p)]
+    return [{"params": [p for _, p in pairs], "param_names": [n for n, _ in pairs], "weight_decay": wd}
+            for pairs, wd in ((decay, weight_decay), (rest, 0.0)) if pairs]
+
+
+Named = list[tuple[str, nn.Parameter]]
+
+
+def muon_split(model: nn.Module, cfg: TrainConfig) -> tuple[Named, Named]:
+    """``(muon, rest)``: the ``(name, parameter)`` pairs SWAN would whiten for ``cfg`` (swan_dist's own
+    selection: :func:`swan_dist.param_groups` tags the model, :func:`swan_dist.classify` decides with the
+    ``include``/``exclude`` patterns of ``swan_options``, as SWAN does), and everything else (embeddings,
+    output head, norms, biases). A fused projection SWAN whitens per part (Q/K/V) is one matrix to Muon;
+    a whitened 3-D stack (MoE experts) is refused: torch's Muon takes 2-D parameters only."""
+    import swan_dist
+
+    include, exclude = cfg.swan_options.get("include"), cfg.swan_options.get("exclude")
+    (group,) = swan_dist.param_groups(model, include, exclude)
+    muon, rest = [], []
+    for name, p in zip(group["param_names"], group["params"]):
+        rule = swan_dist.classify(name, p, include, exclude)
+        if rule.use_swan and p.ndim != 2:
+            raise ValueError(f"config optimizer=muon: SWAN would whiten {name} ({rule.reason}) but it is "
+                             f"{p.ndim}-D and torch.optim.Muon takes 2-D matrices only; exclude it "
+                             "(swan_options.exclude) or use optimizer=swan")  # fmt: skip
+        (muon if rule.use_swan else rest).append((name, p))
+    return muon, rest
+
+
+class MuonWithAdamW(torch.optim.Optimizer):
+    """A **baseline** for comparisons, not swan_dist's product: torch's ``torch.optim.Muon`` on the 2-D
+    matrices SWAN would whiten (:func:`muon_split`), torch's AdamW on the rest (embeddings, output head,
+    norms), as Muon is meant to be used.
+
+    Muon's lr is scaled with ``adjust_lr_fn="match_rms_adamw"`` (``0.2 * sqrt(max(A, B))`` per matrix,
+    Moonshot's rule as torch documents it), so that its updates have AdamW's RMS and both take the same
+    ``lr``: one global lr and one schedule, like SWAN's. Weight decay is decoupled on both.
+
+    One ``torch.optim.Optimizer`` over both: its param groups (each tagged ``"optimizer": "muon"`` or
+    ``"adamw"``, with that optimizer's hyper-parameters) and its ``state`` are the ones the inner
+    ``Muon`` and ``AdamW`` step on, so an lr scheduler, ``zero_grad``, ``state_dict`` /
+    ``load_state_dict``, the trainer's DCP checkpoints and :func:`swan_dist.memory.state_bytes` see a
+    plain optimizer. Muon keeps one momentum buffer per matrix, AdamW two moments per tensor."""
+
+    def __init__(
+        self,
+        muon: Sequence[tuple[str, nn.Parameter]],
+        adamw_groups: Sequence[dict[str, Any]],
+        *,
+        lr: float,
+        weight_decay: float = 0.0,
+        betas: tuple[float, float] = (0.9, 0.95),
+        momentum: float = 0.95,
+        ns_steps: int = 5,
+        adjust_lr_fn: str = "match_rms_adamw",
+    ) -> None:
+        if not muon:
+            raise ValueError("optimizer=muon: the model has no matrix SWAN would whiten, so nothing for Muon")
+        self._muon = torch.optim.Muon(
+            [{"params": [p for _, p in muon], "param_names": [n for n, _ in muon], "optimizer": "muon"}],
+            lr=lr, weight_decay=weight_decay, momentum=momentum, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn)
+        self._adamw = None
+        if adamw_groups:
+            self._adamw = torch.optim.AdamW([{**g, "optimizer": "adamw"} for g in adamw_groups], lr=lr, betas=betas,
+                                            weight_decay=weight_decay)  # fmt: skip
+        inner = [self._muon, *([self._adamw] if self._adamw is not None else [])]
+        super().__init__([g for opt in inner for g in opt.param_groups], defaults={})  # the same group dicts
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        # load_state_dict replaces this optimizer's groups and state: hand the inner ones the current objects
+        for kind, opt in (("muon", self._muon), ("adamw", self._adamw)):
+            if opt is not None:
+                opt.param_groups = [g for g in self.param_groups if g["optimizer"] == kind]
+                opt.state = self.state
+                opt.step()
+        return loss
+
+
 def build_optimizer(cfg: TrainConfig, model: nn.Module) -> torch.optim.Optimizer:
-    """SWAN (parameter groups classified by swan_dist) or AdamW for ``model`` (not a DDP wrapper)."""
+    """SWAN (parameter groups classified by swan_dist), AdamW, or the Muon baseline (:class:`MuonWithAdamW`)
+    for ``model`` (not a DDP wrapper)."""
     if cfg.optimizer == "swan":
         import swan_dist
 
@@ -297,11 +398,15 @@ def build_optimizer(cfg: TrainConfig, model: nn.Module) -> torch.optim.Optimizer
                                   mode=cfg.swan_mode, bucket_mb=cfg.bucket_mb, **cfg.swan_options)
         except TypeError as e:
             raise ValueError(f"config swan_options {sorted(cfg.swan_options)}: {e}") from None
+    lr = cfg.lr if cfg.lr is not None else 1e-3
+    if cfg.optimizer == "muon":
+        muon, rest = muon_split(model, cfg)
+        return MuonWithAdamW(muon, _adamw_groups(rest, cfg.weight_decay), lr=lr, weight_decay=cfg.weight_decay)
     params = [(clean_name(n), p) for n, p in model.named_parameters() if p.requires_grad]
-    decay = [p for n, p in params if p.ndim >= 2 and not n.startswith("tok_embeddings")]
-    no_decay = [p for n, p in params if not (p.ndim >= 2 and not n.startswith("tok_embeddings"))]
+    decay = [p for n, p in params if _decays(n, p)]
+    no_decay = [p for n, p in params if not _decays(n, p)]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=cfg.lr if cfg.lr is not None else 1e-3, betas=(0.9, 0.95))
+    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95))
 
 
 def schedule_ratios(cfg: TrainConfig) -> tuple[float, float]:
@@ -691,7 +796,8 @@ def train(cfg: TrainConfig, env: DistEnv) -> dict[str, Any]:
     if env.is_main:
         if cfg.save_model:
             torch.save(full, out_dir / "model.pt")
-        title = f"{cfg.model.get('size', 'tiny')} / {summary['preset'] or 'adamw'} / world {env.world_size}"
+        label = summary["preset"] or cfg.optimizer
+        title = f"{cfg.model.get('size', 'tiny')} / {label} / world {env.world_size}"
         plot_losses(log.rows, out_dir / "loss_curve.png", title)
         (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
         print(json.dumps({k: summary[k] for k in ("initial_val_loss", "final_val_loss", "final_train_loss", "time_s")}))

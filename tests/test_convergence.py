@@ -1,0 +1,141 @@
+"""The Muon baseline of the reference trainer (``optimizer: muon``) and the convergence study's smoke mode
+(``benchmarks/convergence.py --quick``)."""
+
+import copy
+import importlib.util
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from swan_dist.reference.train import MuonWithAdamW, build_model, build_optimizer, build_scheduler, load_config, main
+
+REPO = Path(__file__).resolve().parents[1]
+SMOKE = str(REPO / "configs" / "train" / "smoke.yaml")
+MUON = ["optimizer=muon", "lr=3e-3", "eval_every=2", "log_every=1"]
+
+
+def _names(groups, keep) -> set[str]:
+    return {n for g in groups if keep(g) for n in g["param_names"]}
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("exclude", [None, "[feed_forward.w2]"], ids=["default", "exclude"])
+def test_muon_takes_exactly_the_matrices_swan_whitens(exclude):
+    overrides = [] if exclude is None else [f"swan_options.exclude={exclude}"]
+    model = build_model(load_config(SMOKE), vocab_size=512)
+    swan = build_optimizer(load_config(SMOKE, ["optimizer=swan", *overrides]), model)
+    muon = build_optimizer(load_config(SMOKE, ["optimizer=muon", *overrides]), model)
+    assert isinstance(muon, MuonWithAdamW) and isinstance(muon, torch.optim.Optimizer)
+    whitened = _names(swan.param_groups, lambda g: g["use_swan"])
+    orthogonalised = _names(muon.param_groups, lambda g: g["optimizer"] == "muon")
+    assert orthogonalised == whitened and len(whitened) == 2 * 7 - (0 if exclude is None else 2)
+    rest = _names(muon.param_groups, lambda g: g["optimizer"] == "adamw")
+    assert rest == {n for n, _ in model.named_parameters()} - whitened
+    assert {"tok_embeddings.weight", "output.weight", "norm.weight"} <= rest
+    (mg,) = [g for g in muon.param_groups if g["optimizer"] == "muon"]
+    assert mg["adjust_lr_fn"] == "match_rms_adamw"  # so Muon takes AdamW's lr: one lr for all groups
+    assert {g["lr"] for g in muon.param_groups} == {load_config(SMOKE).lr}
+    assert all(g["betas"] == (0.9, 0.95) for g in muon.param_groups if g["optimizer"] == "adamw")
+
+
+@pytest.mark.timeout(30)
+def test_muon_state_dict_and_scheduler_cover_both_optimizers():
+    torch.manual_seed(0)
+    cfg = load_config(SMOKE, ["optimizer=muon", "steps=4"])
+    model = build_model(cfg, vocab_size=512)
+    opt = build_optimizer(cfg, model)
+    sched = build_scheduler(cfg, opt)
+    x = torch.randint(0, 512, (2, 16))
+    for _ in range(2):
+        model(x, x)[1].backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+    kinds = {k for s in opt.state.values() for k in s}
+    assert {"momentum_buffer", "exp_avg", "exp_avg_sq", "step"} <= kinds  # Muon's and AdamW's state, one dict
+    assert len({g["lr"] for g in opt.param_groups}) == 1 and opt.param_groups[0]["lr"] != opt.param_groups[0]["initial_lr"]
+    twin = build_model(cfg, vocab_size=512)
+    twin.load_state_dict(model.state_dict())
+    opt2 = build_optimizer(cfg, twin)
+    opt2.load_state_dict(copy.deepcopy(opt.state_dict()))  # a copy: loading keeps the tensors it is given
+    for o, m in ((opt, model), (opt2, twin)):  # one more step on each: identical weights
+        m(x, x)[1].backward()
+        o.step()
+    for (n, a), (_, b) in zip(model.named_parameters(), twin.named_parameters()):
+        assert torch.equal(a, b), n
+
+
+@pytest.mark.timeout(30)
+def test_muon_trainer_runs_and_resumes(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    sa = main(["--config", SMOKE, "--set", f"out_dir={a}", *MUON, "steps=3", "checkpoint_every=2"])
+    assert sa["optimizer"] == "muon" and sa["whitened_matrices"] is None
+    assert all(math.isfinite(sa[k]) for k in ("final_val_loss", "final_train_loss", "initial_val_loss"))
+    assert sa["final_val_loss"] < sa["initial_val_loss"]
+    # state: Muon's momentum (one per whitened matrix) + AdamW's two moments on the rest, fp32
+    model = build_model(load_config(SMOKE), vocab_size=8192)
+    matrices = [p for n, p in model.named_parameters() if ".attention." in n or ".feed_forward." in n]
+    rest = [p for n, p in model.named_parameters() if not (".attention." in n or ".feed_forward." in n)]
+    assert sa["optimizer_state"] == 4 * (sum(p.numel() for p in matrices) + 2 * sum(p.numel() for p in rest) + len(rest))
+    (b / "checkpoints").mkdir(parents=True)  # resume from step 2 through the trainer's DCP checkpoint
+    shutil.copytree(a / "checkpoints" / "step_2", b / "checkpoints" / "step_2")
+    sb = main(["--config", SMOKE, "--set", f"out_dir={b}", *MUON, "steps=3", "checkpoint_every=2"])
+    assert sb["weights_sha1"] == sa["weights_sha1"] and sb["final_val_loss"] == sa["final_val_loss"]
+
+
+@pytest.mark.timeout(30)
+def test_muon_refused_where_the_optimizer_sees_shards():
+    for parallel in ("fsdp2", "fsdp1"):
+        with pytest.raises(ValueError, match=f"optimizer=muon.*parallel='{parallel}'"):
+            load_config(SMOKE, ["optimizer=muon", f"parallel={parallel}"])
+    with pytest.raises(ValueError, match="optimizer=muon.*parallel='deepspeed'"):
+        load_config(SMOKE, ["optimizer=muon", "parallel=deepspeed",
+                            f"deepspeed_config={REPO / 'configs' / 'deepspeed' / 'zero2.json'}"])
+    assert load_config(SMOKE, ["optimizer=muon", "parallel=ddp"]).optimizer == "muon"
+    with pytest.raises(ValueError, match="nothing for Muon"):
+        build_optimizer(load_config(SMOKE, ["optimizer=muon"]), torch.nn.Embedding(4, 4))
+
+
+def _study():
+    spec = importlib.util.spec_from_file_location("convergence_bench", REPO / "benchmarks" / "convergence.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.timeout(30)
+def test_tokens_to_reach_interpolates():
+    study = _study()
+    curve = [(0, 9.0), (100, 6.0), (200, 5.0), (300, 4.0)]
+    assert study.tokens_to_reach(curve, 5.5) == 150.0
+    assert study.tokens_to_reach(curve, 4.0) == 300.0
+    assert study.tokens_to_reach(curve, 3.9) is None
+    assert study._series_step(2e-3, up=True) == pytest.approx(5e-3)
+    assert study._series_step(1e-2, up=False) == pytest.approx(5e-3)
+
+
+@pytest.mark.timeout(90)
+def test_convergence_quick(tmp_path):
+    out, work = tmp_path / "bench.md", tmp_path / "runs"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "convergence.py"), "--quick", "--out", str(out),
+                           "--work-dir", str(work)], cwd=REPO, env=env, capture_output=True, text=True, timeout=80)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "expected runtime: about" in proc.stdout
+    text = out.read_text()
+    assert "<!-- begin:convergence-cpu -->" in text and "<!-- end:convergence-cpu -->" in text
+    assert "ran on" in text and "--quick" in text and "](convergence_cpu.png)" in text
+    rows = [line for line in text.splitlines() if line.startswith("| ")]
+    for label in ("SWAN‡", "SWAN†", "SWAN-0", "AdamW (baseline)", "Muon (baseline)"):
+        assert sum(r.startswith(f"| {label} |") for r in rows) >= 1, label
+    for label in ("SWAN‡, NSDS 1 step", "SWAN‡ without GradNorm", "SWAN‡ without whitening"):
+        assert any(r.startswith(f"| {label}") for r in rows), label
+    assert (tmp_path / "convergence_cpu.png").read_bytes()[:4] == b"\x89PNG"
+    assert (work / "results.json").is_file()
