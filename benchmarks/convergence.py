@@ -1,5 +1,6 @@
 """Convergence study: SWAN‡, SWAN†, SWAN-0 against the AdamW and Muon baselines, on the reference trainer
-(``swan_dist.reference.train``, called in-process: parallel none, one process) and the embedded wiki corpus.
+(``swan_dist.reference.train``, called in-process with parallel none: each run is one process, this script's own
+or, with ``--jobs N``, one of N worker processes that run N runs at a time) and the embedded wiki corpus.
 
 Every optimizer trains the same model on the same data for the same number of tokens, with the same
 schedule shape (linear warm-up over 10 % of the steps, cosine decay to 0.1 x lr; SWAN-0 keeps its
@@ -18,6 +19,7 @@ AdamW's own (linear interpolation between evaluations), optimizer state bytes, t
 and the validation curves in docs/convergence_cpu.png. See docs/convergence.md.
 
     python benchmarks/convergence.py                       # the full study: hours on 2 CPU cores (it prints an estimate)
+    python benchmarks/convergence.py --jobs 2              # the same, 2 runs at a time (C cores: --jobs C)
     python benchmarks/convergence.py --tokens 500000 --sweep-tokens 125000 --seeds 0
     python benchmarks/convergence.py --quick               # smoke: a few steps each, written to a temp file
     python benchmarks/convergence.py --estimate-only       # the full study's expected runtime, from a few steps each
@@ -30,11 +32,13 @@ import contextlib
 import dataclasses
 import json
 import math
+import multiprocessing
 import os
 import shlex
 import sys
 import tempfile
 import time
+from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -91,17 +95,55 @@ BY_KEY = {a.key: a for a in MAIN + ABLATIONS}
 # --------------------------------------------------------------------------- runs
 
 
+@dataclass
+class Pending:
+    """A submitted run (``Study.submit``): its trainer config and folder, and where its result comes from."""
+
+    arm: Arm
+    lr: float | None
+    seed: int
+    tag: str
+    steps: int
+    sets: list[str]
+    out: Path
+    reused: bool = False  # --reuse: a finished run of this config is in ``out``; read back, not run
+    future: Future | None = None  # --jobs > 1: running (or queued) in a worker process
+
+
 class Study:
+    """The study's runs. ``submit`` prepares a run (and with ``--jobs`` > 1 starts it in a pool of worker processes);
+    ``result`` gives its record, in the order asked for, so records and output keep the sequential order. With
+    ``--jobs 1`` a run trains in this process when its result is asked for. Use as a context manager: on leaving
+    with an error, runs not started are cancelled and the workers stopped."""
+
     def __init__(self, args: argparse.Namespace, work: Path) -> None:
         self.args, self.work = args, work
         self.tokens_per_step = args.batch * args.seq
         self.runs: list[dict[str, Any]] = []  # every run's record, for results.json
+        self.pool = None
+        if args.jobs > 1:  # spawn: fresh interpreters, none of this process's torch state forked
+            self.pool = ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn"),
+                                            initializer=_set_threads, initargs=(args.threads,))  # fmt: skip
+
+    def __enter__(self) -> Study:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, *_: Any) -> None:
+        if self.pool is None:
+            return
+        if exc_type is None:
+            self.pool.shutdown()
+            return
+        workers = list(self.pool._processes.values())  # as Python 3.14's terminate_workers() does
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        for worker in workers:
+            worker.terminate()
 
     def steps(self, tokens: int) -> int:
         return max(2, round(tokens / self.tokens_per_step))
 
-    def run(self, arm: Arm, lr: float | None, tokens: int, seed: int, tag: str, eval_every_tokens: int | None = None,
-            ) -> dict[str, Any]:
+    def submit(self, arm: Arm, lr: float | None, tokens: int, seed: int, tag: str,
+               eval_every_tokens: int | None = None) -> Pending:  # fmt: skip
         """One trainer run; its log goes to ``work/tag/log.txt``. ``lr=None``: the trainer's default. With
         ``--reuse``, a finished run of the same trainer config in ``work/tag`` is read instead of run again."""
         a = self.args
@@ -115,31 +157,51 @@ class Study:
                 f"log_every={eval_every}", f"out_dir={out}", "save_model=false", "checkpoint_every=0",
                 "resume=never"]  # fmt: skip
         out.mkdir(parents=True, exist_ok=True)
-        if a.reuse and _finished_as(out, sets):
-            summary = json.loads((out / "summary.json").read_text())
-            wall = summary["time_s"]
-        else:
-            t = time.perf_counter()
+        run = Pending(arm, lr, seed, tag, steps, sets, out, reused=a.reuse and _finished_as(out, sets))
+        if self.pool is not None and not run.reused:
+            run.future = self.pool.submit(_execute, sets, out / "log.txt")
+        return run
+
+    def result(self, run: Pending) -> dict[str, Any]:
+        """The record of a submitted run (waiting for it, or with ``--jobs 1`` running it now), added to ``runs``."""
+        wall = None
+        if not run.reused:
             try:
-                with open(out / "log.txt", "w") as log, contextlib.redirect_stdout(log), \
-                        contextlib.redirect_stderr(log):
-                    summary = train_main(["--set", *sets])
+                wall = run.future.result() if run.future is not None else _execute(run.sets, run.out / "log.txt")
             except BaseException:
-                print(f"run {tag} failed; its log: {out / 'log.txt'}", file=sys.stderr, flush=True)
+                print(f"run {run.tag} failed; its log: {run.out / 'log.txt'}", file=sys.stderr, flush=True)
                 raise
-            wall = time.perf_counter() - t
-        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        summary = json.loads((run.out / "summary.json").read_text())
+        wall = summary["time_s"] if wall is None else wall
+        rows = [json.loads(line) for line in (run.out / "metrics.jsonl").read_text().splitlines()]
         curve = [(r["tokens"], r["val_loss"]) for r in rows if "val_loss" in r]
         record = {
-            "tag": tag, "arm": arm.key, "lr": lr, "seed": seed, "tokens": summary["tokens"], "steps": steps,
-            "curve": curve, "final_val_loss": summary["final_val_loss"], "tok_per_s": summary["tok_per_s"],
-            "optimizer_state": summary["optimizer_state"] + summary["master_weights"], "time_s": summary["time_s"],
-            "wall_s": wall, "n_params": summary["n_params"], "sets": sets,
+            "tag": run.tag, "arm": run.arm.key, "lr": run.lr, "seed": run.seed, "tokens": summary["tokens"],
+            "steps": run.steps, "curve": curve, "final_val_loss": summary["final_val_loss"],
+            "tok_per_s": summary["tok_per_s"],
+            "optimizer_state": summary["optimizer_state"] + summary["master_weights"],
+            "time_s": summary["time_s"], "wall_s": wall, "n_params": summary["n_params"], "sets": run.sets,
         }  # fmt: skip
         self.runs.append(record)
-        print(f"  {tag:<40} lr {_lr(lr):>7}  final val loss {summary['final_val_loss']:.4f}  "
+        print(f"  {run.tag:<40} lr {_lr(run.lr):>7}  final val loss {summary['final_val_loss']:.4f}  "
               f"{summary['tok_per_s']:,.0f} tok/s  {wall:.0f} s", flush=True)
         return record
+
+
+def _set_threads(threads: int) -> None:
+    """``--threads`` torch threads (0: leave the choice to the trainer); in this process and in every worker."""
+    if threads:
+        os.environ["OMP_NUM_THREADS"] = str(threads)  # the trainer then leaves the thread count alone
+        torch.set_num_threads(threads)
+
+
+def _execute(sets: list[str], log: Path) -> float:
+    """Train one run (``--set`` overrides ``sets``), its stdout and stderr to ``log``; its wall-clock seconds. Runs
+    in this process (--jobs 1) or in a worker process; the record is read from the run's folder afterwards."""
+    t = time.perf_counter()
+    with open(log, "w") as f, contextlib.redirect_stdout(f), contextlib.redirect_stderr(f):
+        train_main(["--set", *sets])
+    return time.perf_counter() - t
 
 
 def _finished_as(out: Path, sets: list[str]) -> bool:
@@ -161,35 +223,46 @@ def _finite(x: float) -> float:
 
 
 def calibrate(study: Study, arms: list[Arm]) -> dict[str, dict[str, float]]:
-    """A few steps of each arm: training seconds per token, seconds per evaluation, per-run overhead."""
+    """A few steps of each arm: training seconds per token, seconds per evaluation, per-run overhead. With --jobs > 1
+    these runs share the cores as the study's runs will."""
     rates = {}
     steps = study.args.calib_steps
-    for arm in arms:
-        r = study.run(arm, None, steps * study.tokens_per_step, 0, f"calibrate/{arm.key}")
+    runs = [study.submit(arm, None, steps * study.tokens_per_step, 0, f"calibrate/{arm.key}") for arm in arms]
+    for run in runs:
+        r = study.result(run)
         train_s = r["tokens"] / r["tok_per_s"]
         eval_s = max(0.0, r["time_s"] - train_s) / 2  # evaluations at step 0 and at the last step
-        rates[arm.key] = {"s_per_token": 1 / r["tok_per_s"], "eval_s": eval_s,
-                          "overhead_s": max(0.0, r["wall_s"] - r["time_s"])}
+        rates[r["arm"]] = {"s_per_token": 1 / r["tok_per_s"], "eval_s": eval_s,
+                           "overhead_s": max(0.0, r["wall_s"] - r["time_s"])}
     return rates
 
 
-def plan(args: argparse.Namespace) -> list[tuple[str, int, int]]:
-    """(arm key, tokens, evaluations) of every planned run (sweeps without grid extensions)."""
-    runs = []
-    for key in sweep_arms(args):
-        runs += [(key, args.sweep_tokens, 2)] * len(grid(args, key))
+def plan(args: argparse.Namespace) -> list[list[tuple[str, int, int]]]:
+    """(arm key, tokens, evaluations) of every planned run, per phase of independent runs: the sweeps' grids (without
+    grid extensions), then the main comparison with the ablations."""
+    sweeps = [(key, args.sweep_tokens, 2) for key in sweep_arms(args) for _ in grid(args, key)]
     n_eval = 1 + math.ceil(args.tokens / max(1, args.eval_every_tokens))
-    runs += [(arm.key, args.tokens, n_eval) for arm in MAIN for _ in args.seeds]
+    final = [(arm.key, args.tokens, n_eval) for arm in MAIN for _ in args.seeds]
     if not args.no_ablations:
-        runs += [(arm.key, args.tokens, n_eval) for arm in ABLATIONS for _ in args.ablation_seeds]
-    return runs
+        final += [(arm.key, args.tokens, n_eval) for arm in ABLATIONS for _ in args.ablation_seeds]
+    return [sweeps, final]
 
 
-def estimate_seconds(args: argparse.Namespace, rates: dict[str, dict[str, float]]) -> float:
+def parallel_runs(args: argparse.Namespace, cores: int) -> int:
+    """Runs that actually proceed at once: --jobs, but no more than the cores hold at --threads each."""
+    return max(1, min(args.jobs, cores // (args.threads or cores)))
+
+
+def estimate_seconds(args: argparse.Namespace, rates: dict[str, dict[str, float]], parallel: int = 1) -> float:
+    """Expected runtime with ``parallel`` runs at a time: per phase, its runs' total over ``parallel``, but no less
+    than its longest run."""
     total = 0.0
-    for key, tokens, n_eval in plan(args):
-        r = rates.get(key) or rates["swan_ddagger"]  # ablations: SWAN‡'s rates
-        total += tokens * r["s_per_token"] + n_eval * r["eval_s"] + r["overhead_s"]
+    for phase in plan(args):
+        seconds = []
+        for key, tokens, n_eval in phase:
+            r = rates.get(key) or rates["swan_ddagger"]  # ablations: SWAN‡'s rates
+            seconds.append(tokens * r["s_per_token"] + n_eval * r["eval_s"] + r["overhead_s"])
+        total += max(sum(seconds) / parallel, max(seconds, default=0.0))
     return total
 
 
@@ -227,24 +300,42 @@ def _series_step(lr: float, up: bool) -> float:
     return min(v for v in series if v > lr * 1.0001) if up else max(v for v in series if v < lr * 0.9999)
 
 
-def sweep(study: Study, key: str) -> dict[str, Any]:
-    """Final val loss per lr at ``--sweep-tokens`` (seed: the first of ``--seeds``); the best lr. A best lr
-    on the grid's edge extends the grid one 1-2-5 step past it, up to ``--sweep-extend`` times."""
-    args, arm = study.args, BY_KEY[key]
+def sweep_run(study: Study, key: str, lr: float) -> Pending:
+    args = study.args
+    return study.submit(BY_KEY[key], lr, args.sweep_tokens, args.seeds[0], f"sweep/{key}/lr{lr:g}")
+
+
+def run_sweeps(study: Study) -> dict[str, dict[str, Any]]:
+    """The lr sweep of every arm of ``sweep_arms``. Every arm's grid is submitted at once; an arm's grid extensions
+    depend on its results, so they follow, one at a time, once its grid has finished."""
+    keys = sweep_arms(study.args)
+    grids = {key: [sweep_run(study, key, lr) for lr in grid(study.args, key)] for key in keys}
+    done = {}
+    for key in keys:
+        print(f"lr sweep {BY_KEY[key].label}:", flush=True)
+        done[key] = sweep(study, key, grids[key])
+        note = " (on the grid's edge)" if done[key]["edge"] else ""
+        print(f"  -> lr {done[key]['best']:g}{note}", flush=True)
+    return done
+
+
+def sweep(study: Study, key: str, grid_runs: list[Pending]) -> dict[str, Any]:
+    """Final val loss per lr at ``--sweep-tokens`` (seed: the first of ``--seeds``) of the submitted ``grid_runs``;
+    the best lr. A best lr on the grid's edge extends the grid one 1-2-5 step past it, up to ``--sweep-extend``
+    times."""
     results: dict[float, float] = {}
 
-    def try_lr(lr: float) -> None:
-        r = study.run(arm, lr, args.sweep_tokens, args.seeds[0], f"sweep/{key}/lr{lr:g}")
-        results[lr] = _finite(r["final_val_loss"])
+    def add(run: Pending) -> None:
+        results[run.lr] = _finite(study.result(run)["final_val_loss"])
 
-    for lr in grid(args, key):
-        try_lr(lr)
-    for _ in range(args.sweep_extend):
+    for run in grid_runs:
+        add(run)
+    for _ in range(study.args.sweep_extend):
         best = min(results, key=results.get)
         if best == min(results):
-            try_lr(_series_step(best, up=False))
+            add(sweep_run(study, key, _series_step(best, up=False)))
         elif best == max(results):
-            try_lr(_series_step(best, up=True))
+            add(sweep_run(study, key, _series_step(best, up=True)))
         else:
             break
     best = min(results, key=results.get)
@@ -388,6 +479,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--calib-steps", type=int, default=4, help="steps per optimizer of the runtime estimate")
     ap.add_argument("--estimate-only", action="store_true",
                     help="run the calibration, print the expected runtime, and stop")
+    ap.add_argument("--jobs", type=int, default=1, help="runs at a time, each in its own process (default 1: one "
+                    "after the other in this process). On a machine with C cores, C jobs of --threads 1 is the fast "
+                    "setting; results are the same as with --jobs 1")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1: on a shared 2-core "
                     "machine 2 threads ran the tiny model 3-6x slower; 0: the trainer's choice, all cores)")
     ap.add_argument("--work-dir", default=None, help="run folders and results.json (default runs/convergence; "
@@ -409,61 +503,55 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     args.ablation_seeds = args.ablation_seeds or args.seeds
     if not args.seeds:
         raise SystemExit("--seeds: at least one seed")
+    if args.jobs < 1:
+        raise SystemExit("--jobs: at least 1")
     return args
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse(argv)
-    if args.threads:
-        os.environ["OMP_NUM_THREADS"] = str(args.threads)  # the trainer then leaves the thread count alone
-        torch.set_num_threads(args.threads)
+    _set_threads(args.threads)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     tmp = tempfile.mkdtemp(prefix="swan_convergence_") if args.quick and not (args.work_dir and args.out) else None
     work = Path(args.work_dir) if args.work_dir else Path(tmp) / "runs" if tmp else REPO / "runs" / "convergence"
     out = Path(args.out) if args.out else (Path(tmp) / "benchmarks.md" if tmp else _report.DOC)
     png = out.parent / f"convergence_{device}.png"
-    study = Study(args, work)
     cores = len(os.sched_getaffinity(0))
+    parallel = parallel_runs(args, cores)
     started = time.perf_counter()
 
     print(f"convergence study: model {args.model}{args.model_overrides or ''}, {args.batch}x{args.seq} tokens/step, "
           f"{args.tokens:,} tokens x seeds {args.seeds}, sweeps {args.sweep_tokens:,} tokens, on {device} "
-          f"({cores} cores); runs in {work}", flush=True)
-    print("calibrating the runtime estimate:", flush=True)
-    rates = calibrate(study, list(MAIN))
-    expected = estimate_seconds(args, rates)
-    n_runs = len(plan(args))
-    speeds = ", ".join(f"{k} {1 / r['s_per_token']:,.0f}" for k, r in rates.items())
-    print(f"expected runtime: about {_hms(expected)} for {n_runs} runs (from {args.calib_steps}-step runs at "
-          f"{speeds} tok/s; more if a sweep extends its grid)", flush=True)
-    if args.estimate_only:
-        return {"expected_s": expected, "rates": rates, "runs": n_runs}
+          f"({cores} cores, --jobs {args.jobs}); runs in {work}", flush=True)
+    with Study(args, work) as study:
+        print("calibrating the runtime estimate:", flush=True)
+        rates = calibrate(study, list(MAIN))
+        expected = estimate_seconds(args, rates, parallel)
+        n_runs = sum(map(len, plan(args)))
+        speeds = ", ".join(f"{k} {1 / r['s_per_token']:,.0f}" for k, r in rates.items())
+        print(f"expected runtime: about {_hms(expected)} for {n_runs} runs, {parallel} at a time (--jobs {args.jobs}, "
+              f"{cores} cores, --threads {args.threads}) (from {args.calib_steps}-step runs at {speeds} tok/s; more "
+              "if a sweep extends its grid)", flush=True)
+        if args.estimate_only:
+            return {"expected_s": expected, "rates": rates, "runs": n_runs, "parallel": parallel}
 
-    # 1. lr sweeps (short runs, first seed)
-    sweeps = {}
-    for key in sweep_arms(args):
-        print(f"lr sweep {BY_KEY[key].label}:", flush=True)
-        sweeps[key] = sweep(study, key)
-        note = " (on the grid's edge)" if sweeps[key]["edge"] else ""
-        print(f"  -> lr {sweeps[key]['best']:g}{note}", flush=True)
-    lr_of = {key: s["best"] for key, s in sweeps.items()}
+        # 1. lr sweeps (short runs, first seed)
+        sweeps = run_sweeps(study)
+        lr_of = {key: s["best"] for key, s in sweeps.items()}
 
-    # 2. main comparison, 3. ablations (at SWAN‡'s lr)
-    results: dict[str, list[dict[str, Any]]] = {}
-    print("main comparison:", flush=True)
-    for seed in args.seeds:
-        for arm in MAIN:
-            run = study.run(arm, lr_of.get(arm.key), args.tokens, seed, f"main/{arm.key}/seed{seed}",
-                            args.eval_every_tokens)  # fmt: skip
-            results.setdefault(arm.key, []).append(run)
-    if not args.no_ablations:
-        print("ablations:", flush=True)
-        for seed in args.ablation_seeds:
-            for arm in ABLATIONS:
-                run = study.run(arm, lr_of.get("swan_ddagger"), args.tokens, seed, f"ablation/{arm.key}/seed{seed}",
-                                args.eval_every_tokens)  # fmt: skip
-                results.setdefault(arm.key, []).append(run)
+        # 2. main comparison, 3. ablations (at SWAN‡'s lr): independent of each other, all submitted at once
+        comparison = [study.submit(arm, lr_of.get(arm.key), args.tokens, seed, f"main/{arm.key}/seed{seed}",
+                                   args.eval_every_tokens) for seed in args.seeds for arm in MAIN]  # fmt: skip
+        ablations = [] if args.no_ablations else [
+            study.submit(arm, lr_of.get("swan_ddagger"), args.tokens, seed, f"ablation/{arm.key}/seed{seed}",
+                         args.eval_every_tokens) for seed in args.ablation_seeds for arm in ABLATIONS]  # fmt: skip
+        results: dict[str, list[dict[str, Any]]] = {}
+        for title, runs in (("main comparison", comparison), ("ablations", ablations)):
+            if runs:
+                print(f"{title}:", flush=True)
+            for run in runs:
+                results.setdefault(run.arm.key, []).append(study.result(run))
     elapsed = time.perf_counter() - started
 
     adamw_curve = mean_curve(results["adamw"])
@@ -521,12 +609,14 @@ def report(args: argparse.Namespace, sweeps: dict[str, Any], stats: dict[str, An
     else:
         threads = torch.get_num_threads()
         where = f"on the CPU: **ran on {ctx['cores']} CPU cores** ({threads} torch thread{'s' * (threads != 1)})"
+    if args.jobs > 1:
+        where += f", {args.jobs} runs at a time (`--jobs {args.jobs}`)"
     seeds = ", ".join(map(str, args.seeds))
     lines = [
         f"Reference LLaMA {model} ({ctx['n_params'] / 1e6:.2f}M parameters), embedded wiki corpus, "
         f"{args.batch}x{args.seq} tokens per step, {ctx['tokens']:,} training tokens per run; 10 % linear warm-up, "
         "cosine decay to 0.1 x lr (SWAN-0: no warm-up, as its preset defines); grad clip 1.0, no weight decay, fp32. "
-        f"Single process (parallel none) {where}, torch {torch.__version__}. Validation loss every "
+        f"Single process (parallel none) per run {where}, torch {torch.__version__}. Validation loss every "
         f"{args.eval_every_tokens:,} tokens on {args.eval_batches * args.batch} fixed windows. Seeds {seeds}: mean "
         "± half the min–max range (perplexity: of the mean, min–max). "
         f"The study took {_hms(ctx['elapsed'])} (estimated {_hms(ctx['expected'])} at its start).",

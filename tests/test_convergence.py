@@ -3,6 +3,7 @@
 
 import copy
 import importlib.util
+import json
 import math
 import os
 import shutil
@@ -121,21 +122,72 @@ def test_tokens_to_reach_interpolates():
     assert study._series_step(1e-2, up=False) == pytest.approx(5e-3)
 
 
-@pytest.mark.timeout(90)
-def test_convergence_quick(tmp_path):
+def _quick(tmp_path, *extra, timeout=80):
+    """``convergence.py --quick`` in a subprocess, with 1 thread per run; the finished process."""
     out, work = tmp_path / "bench.md", tmp_path / "runs"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "convergence.py"), "--quick", "--out", str(out),
-                           "--work-dir", str(work)], cwd=REPO, env=env, capture_output=True, text=True, timeout=80)
+    return subprocess.run([sys.executable, str(REPO / "benchmarks" / "convergence.py"), "--quick", "--out", str(out),
+                           "--work-dir", str(work), *extra], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=timeout)  # fmt: skip
+
+
+@pytest.mark.timeout(90)
+def test_convergence_quick_with_two_jobs(tmp_path, monkeypatch):
+    out, work = tmp_path / "bench.md", tmp_path / "runs"
+    proc = _quick(tmp_path, "--jobs", "2")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "expected runtime: about" in proc.stdout
+    assert "expected runtime: about" in proc.stdout and "2 at a time (--jobs 2" in proc.stdout
     text = out.read_text()
     assert "<!-- begin:convergence-cpu -->" in text and "<!-- end:convergence-cpu -->" in text
-    assert "ran on" in text and "--quick" in text and "](convergence_cpu.png)" in text
+    assert "ran on" in text and "--quick" in text and "--jobs 2" in text and "](convergence_cpu.png)" in text
+    assert "2 runs at a time (`--jobs 2`)" in text
     rows = [line for line in text.splitlines() if line.startswith("| ")]
-    for label in ("SWAN‡", "SWAN†", "SWAN-0", "AdamW (baseline)", "Muon (baseline)"):
-        assert sum(r.startswith(f"| {label} |") for r in rows) >= 1, label
+    # a row per optimizer in the main table and in the sweep table; SWAN‡ also heads the ablation table
+    for label, n in (("SWAN‡", 3), ("SWAN†", 2), ("SWAN-0", 2), ("AdamW (baseline)", 2), ("Muon (baseline)", 2)):
+        assert sum(r.startswith(f"| {label} |") for r in rows) == n, label
     for label in ("SWAN‡, NSDS 1 step", "SWAN‡ without GradNorm", "SWAN‡ without whitening"):
-        assert any(r.startswith(f"| {label}") for r in rows), label
+        assert sum(r.startswith(f"| {label}") for r in rows) == 1, label
     assert (tmp_path / "convergence_cpu.png").read_bytes()[:4] == b"\x89PNG"
-    assert (work / "results.json").is_file()
+
+    # every run once, the records in the order --jobs 1 gives them
+    bench = _study()
+    args = bench.parse(["--quick"])
+    expected = [f"calibrate/{a.key}" for a in bench.MAIN]
+    expected += [f"sweep/{k}/lr{lr:g}" for k in bench.sweep_arms(args) for lr in bench.grid(args, k)]
+    expected += [f"main/{a.key}/seed{s}" for s in args.seeds for a in bench.MAIN]
+    expected += [f"ablation/{a.key}/seed{s}" for s in args.ablation_seeds for a in bench.ABLATIONS]
+    record = json.loads((work / "results.json").read_text())
+    assert [r["tag"] for r in record["runs"]] == expected
+    assert {k: s["n"] for k, s in record["stats"].items()} == {
+        **{a.key: len(args.seeds) for a in bench.MAIN}, **{a.key: len(args.ablation_seeds) for a in bench.ABLATIONS}}
+
+    # the same numbers as --jobs 1: two runs that followed others in a worker, again through Study in this process
+    by_tag = {r["tag"]: r for r in record["runs"]}
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        sequential = bench.Study(args, tmp_path / "jobs1")
+        for tag in ("main/muon/seed1", "ablation/ddagger_no_whitening/seed0"):
+            r = by_tag[tag]
+            again = sequential.result(sequential.submit(bench.BY_KEY[r["arm"]], r["lr"], args.tokens, r["seed"], tag,
+                                                        args.eval_every_tokens))  # fmt: skip
+            again = json.loads(json.dumps(again))  # tuples to lists, as results.json has them
+            for key in ("lr", "seed", "tokens", "steps", "curve", "final_val_loss", "optimizer_state", "n_params"):
+                assert again[key] == r[key], (tag, key)
+            assert [x for x in again["sets"] if not x.startswith("out_dir=")] == [
+                x for x in r["sets"] if not x.startswith("out_dir=")]
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.timeout(60)
+def test_convergence_jobs_stops_at_a_failed_run(tmp_path):
+    work = tmp_path / "runs"
+    (work / "calibrate" / "swan_ddagger" / "metrics.jsonl").mkdir(parents=True)  # the trainer cannot write it
+    proc = _quick(tmp_path, "--jobs", "2", timeout=50)  # no hang: pending runs cancelled, running ones stopped
+    assert proc.returncode != 0
+    log = work / "calibrate" / "swan_ddagger" / "log.txt"
+    assert f"run calibrate/swan_ddagger failed; its log: {log}" in proc.stderr, proc.stderr[-3000:]
+    assert "IsADirectoryError" in proc.stderr and log.is_file()
+    assert not (work / "results.json").exists()
