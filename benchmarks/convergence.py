@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import importlib.util
 import json
 import math
 import multiprocessing
@@ -48,10 +49,12 @@ import yaml
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-if str(HERE) not in sys.path:  # _report, when this file is imported rather than run
-    sys.path.insert(0, str(HERE))
-
-import _report  # noqa: E402
+if "_report" in sys.modules:
+    _report = sys.modules["_report"]
+else:  # by its path: putting benchmarks/ on sys.path would shadow packages (benchmarks/megatron.py)
+    _spec = importlib.util.spec_from_file_location("_report", HERE / "_report.py")
+    _report = sys.modules["_report"] = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(_report)
 
 from swan_dist.reference.model import MODEL_SIZES  # noqa: E402
 from swan_dist.reference.train import load_config  # noqa: E402

@@ -108,6 +108,8 @@ def _study():
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up
     spec.loader.exec_module(module)
+    # benchmarks/ on sys.path would make later tests' `import megatron` find benchmarks/megatron.py
+    assert str(REPO / "benchmarks") not in sys.path
     return module
 
 
