@@ -13,10 +13,11 @@ ablations run SWAN‡ with NSDS 1 step instead of 2, without GradNorm, and witho
 
 Muon (torch.optim.Muon on the matrices SWAN whitens, AdamW on the rest) and AdamW are baselines.
 
-Reported in the ``convergence-cpu`` section of docs/benchmarks.md (``convergence-cuda`` on a GPU): final
-validation loss, perplexity, tokens to reach the tuned AdamW's final validation loss as a ratio to
-AdamW's own (linear interpolation between evaluations), optimizer state bytes, training time per token;
-and the validation curves in docs/convergence_cpu.png. See docs/convergence.md.
+Reported in the ``convergence-<device>-<model>`` section of docs/benchmarks.md (e.g. ``convergence-cpu-tiny``,
+``convergence-cuda-60m``), one per model size: final validation loss, perplexity, tokens to reach the tuned
+AdamW's final validation loss as a ratio to AdamW's own (linear interpolation between evaluations),
+optimizer state bytes, training time per token; and the validation curves in
+docs/convergence_<device>_<model>.png. Run folders: runs/convergence-<model>. See docs/convergence.md.
 
     python benchmarks/convergence.py                       # the full study: hours on 2 CPU cores (it prints an estimate)
     python benchmarks/convergence.py --jobs 2              # the same, 2 runs at a time (C cores: --jobs C)
@@ -487,7 +488,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                     "setting; results are the same as with --jobs 1")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1: on a shared 2-core "
                     "machine 2 threads ran the tiny model 3-6x slower; 0: the trainer's choice, all cores)")
-    ap.add_argument("--work-dir", default=None, help="run folders and results.json (default runs/convergence; "
+    ap.add_argument("--work-dir", default=None, help="run folders and results.json (default runs/convergence-<model>; "
                     "--quick: a temporary folder)")
     ap.add_argument("--out", default=None, help="Markdown file whose convergence section is written "
                     "(default docs/benchmarks.md; --quick: a temporary file); the PNG goes beside it")
@@ -517,9 +518,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     _set_threads(args.threads)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     tmp = tempfile.mkdtemp(prefix="swan_convergence_") if args.quick and not (args.work_dir and args.out) else None
-    work = Path(args.work_dir) if args.work_dir else Path(tmp) / "runs" if tmp else REPO / "runs" / "convergence"
+    default_work = Path(tmp) / "runs" if tmp else REPO / "runs" / f"convergence-{args.model}"
+    work = Path(args.work_dir) if args.work_dir else default_work
     out = Path(args.out) if args.out else (Path(tmp) / "benchmarks.md" if tmp else _report.DOC)
-    png = out.parent / f"convergence_{device}.png"
+    tag = f"{device}-{args.model}"  # one section and one plot per device and model size
+    png = out.parent / f"convergence_{device}_{args.model}.png"
     cores = len(os.sched_getaffinity(0))
     parallel = parallel_runs(args, cores)
     started = time.perf_counter()
@@ -573,7 +576,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     saved = _report.DOC
     try:  # _report writes the section into its DOC: point it at --out for this call
         _report.DOC = out
-        _report.write_section(f"convergence-{device}", "Convergence: SWAN presets vs AdamW and Muon", body)
+        _report.write_section(f"convergence-{tag}", f"Convergence ({args.model}): SWAN presets vs AdamW and Muon", body)
     finally:
         _report.DOC = saved
     work.mkdir(parents=True, exist_ok=True)
@@ -581,7 +584,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               "elapsed_s": elapsed, "expected_s": expected, "sweeps": sweeps, "target": target, "stats": stats,
               "runs": study.runs}  # fmt: skip
     (work / "results.json").write_text(json.dumps(record, indent=1, default=str))
-    print(f"wrote the convergence-{device} section of {out}, {png}, and {work / 'results.json'} "
+    print(f"wrote the convergence-{tag} section of {out}, {png}, and {work / 'results.json'} "
           f"(took {_hms(elapsed)}, estimated {_hms(expected)})", flush=True)
     return {"out": str(out), "png": str(png), "work": str(work), "stats": stats, "sweeps": sweeps,
             "elapsed_s": elapsed, "expected_s": expected, "rates": rates}

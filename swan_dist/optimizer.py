@@ -124,7 +124,7 @@ class _Origin:
     them alive. Unpacks as ``(name, tensor)``, the tensor ``None`` once nothing else holds it."""
 
     __slots__ = ("name", "shape", "tags", "ref")
-    TAGS = (_selection._TAG, _selection._NAME_TAG, _selection._FORM_TAG)  # the tags tag_model leaves on a tensor
+    TAGS = _selection.TAG_ATTRS  # the tags tag_model leaves on a tensor
 
     def __init__(self, name: str, tensor: Tensor, shape: tuple[int, ...] | None = None,
                  tags: dict | None = None) -> None:
@@ -380,12 +380,15 @@ class SWAN(torch.optim.Optimizer):
             f"{len(self._rows) - n_swan} tensors on the fallback rule",
         ]
         for g in self.param_groups:
-            if g["params"] and (g["use_swan"] or any(any(self._packed.get(p, ())) for p in g["params"])):
-                dev = g["params"][0].device
-                dt = str(resolve_dtype(_whiten_config(g), dev)).replace("torch.", "")
+            if g["use_swan"] or any(any(self._packed.get(p, ())) for p in g["params"]):
+                if g["params"]:
+                    dev = g["params"][0].device
+                    where = f"dtype={str(resolve_dtype(_whiten_config(g), dev)).replace('torch.', '')} on {dev.type}"
+                else:  # DeepSpeed ZeRO-3 empties the groups it partitions: the device is not known here
+                    where = f"dtype={g['whiten_dtype']} (parameters partitioned by the framework)"
                 head.append(
                     f"  SWAN group: {g['whitening']} steps={g['ns_steps']} beta={g['beta']} "
-                    f"grad_norm={g['grad_norm']} dtype={dt} on {dev.type}, lr={g['lr']} x alpha={g['alpha']}"
+                    f"grad_norm={g['grad_norm']} {where}, lr={g['lr']} x alpha={g['alpha']}"
                 )
         head += [f"  {rule}: {n:,} parameters" for rule, n in sorted(numel.items())]
         width = max((len(k[1]) for k in rows), default=10)

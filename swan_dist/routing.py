@@ -699,7 +699,8 @@ class Exchange:
                 for row, m in zip(stack, ms):  # the received rest
                     for lo, hi, off in st.recv_at.get(m, ()):
                         row[lo:hi].copy_(recv[off: off + hi - lo])
-                whitened += len(ms) * max(1, len(plan.specs[ms[0]].split))
+                spec = plan.specs[ms[0]]  # a 3-D expert stack counts as its E matrices, as the local path does
+                whitened += len(ms) * max(1, torch.Size(spec.shape[:-2]).numel()) * max(1, len(spec.split))
                 for m, u in zip(ms, self._compute(ms, stack)):
                     lo, hi = my[m]
                     if hi > lo:

@@ -24,7 +24,7 @@ from torch import nn
 from .adapter import Form, Member, form_of, members_of, prepare_model
 
 __all__ = ["Rule", "DEFAULT_EXCLUDE", "classify", "tag_model", "param_groups", "collapse_name", "tagged_name",
-           "tagged_form"]
+           "tagged_form", "TAG_ATTRS"]
 
 # Module-path components that name an embedding or an output head (LLaMA, HF, GPT-2, Megatron, ...).
 DEFAULT_EXCLUDE = (
@@ -35,6 +35,7 @@ DEFAULT_EXCLUDE = (
 _TAG = "_swan_rule"
 _NAME_TAG = "_swan_name"
 _FORM_TAG = "_swan_form"  # a Form: orientation / fused split / expert stack recognised from the module type
+TAG_ATTRS = (_TAG, _NAME_TAG, _FORM_TAG)  # every attribute tag_model leaves on a tensor (carried when it is swapped)
 
 
 @dataclass(frozen=True)

@@ -140,8 +140,8 @@ def test_convergence_quick_with_two_jobs(tmp_path, monkeypatch):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "expected runtime: about" in proc.stdout and "2 at a time (--jobs 2" in proc.stdout
     text = out.read_text()
-    assert "<!-- begin:convergence-cpu -->" in text and "<!-- end:convergence-cpu -->" in text
-    assert "ran on" in text and "--quick" in text and "--jobs 2" in text and "](convergence_cpu.png)" in text
+    assert "<!-- begin:convergence-cpu-tiny -->" in text and "<!-- end:convergence-cpu-tiny -->" in text
+    assert "ran on" in text and "--quick" in text and "--jobs 2" in text and "](convergence_cpu_tiny.png)" in text
     assert "2 runs at a time (`--jobs 2`)" in text
     rows = [line for line in text.splitlines() if line.startswith("| ")]
     # a row per optimizer in the main table and in the sweep table; SWAN‡ also heads the ablation table
@@ -149,7 +149,7 @@ def test_convergence_quick_with_two_jobs(tmp_path, monkeypatch):
         assert sum(r.startswith(f"| {label} |") for r in rows) == n, label
     for label in ("SWAN‡, NSDS 1 step", "SWAN‡ without GradNorm", "SWAN‡ without whitening"):
         assert sum(r.startswith(f"| {label}") for r in rows) == 1, label
-    assert (tmp_path / "convergence_cpu.png").read_bytes()[:4] == b"\x89PNG"
+    assert (tmp_path / "convergence_cpu_tiny.png").read_bytes()[:4] == b"\x89PNG"
 
     # every run once, the records in the order --jobs 1 gives them
     bench = _study()

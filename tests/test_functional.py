@@ -323,3 +323,51 @@ def test_auto_dtype_rule_and_bf16_tolerance(monkeypatch):
             rel = ((u16 - u32).norm(dim=(-2, -1)) / u32.norm(dim=(-2, -1))).max()
             assert rel < 0.02, (shape, float(rel))
             assert rel > 1e-4  # bf16 really ran
+
+
+@pytest.mark.parametrize("method, steps, beta", [("nsds", 2, 0.4), ("ns", 10, 0.8), ("nsds", 1, 0.4)])
+def test_gradnorm_folded_into_gram_equals_general_path(monkeypatch, method, steps, beta):
+    """On the CPU, a matrix whose Gram is on the input side (in <= out) takes GradNorm from the Gram's
+    diagonal and folds it into the small matrices; the result equals the general path (GradNorm pass,
+    then whitening) to rounding, and every input the shortcut cannot take exactly (a zero, tiny, huge or
+    non-finite column) goes to the general path instead."""
+    import swan_dist.functional as F
+
+    cfg = WhitenConfig(method=method, steps=steps, beta=beta, dtype="float64")
+    gen = torch.Generator().manual_seed(11)
+    f64 = torch.float64
+    for shape in [(48, 24), (32, 32), (3, 40, 8), (1, 1), (5, 1)]:
+        g = torch.randn(*shape, generator=gen, dtype=f64)
+        g[..., 0] *= 1e3  # GradNorm must remove a column's scale
+        fast = F._swan_update_gram_first(g, cfg, f64, f64)
+        assert fast is not None, shape
+        general = F._rescale(F.whiten(F._grad_norm(g, "rms", f64)[0].mT, method, steps, beta, prescale=False).mT, f64)
+        assert (fast - general).abs().max() < 1e-10 * general.abs().max(), shape
+        if shape[-1] > 1:  # one column: GradNorm alone already fixes the result (sign-like)
+            monkeypatch.setattr(F, "_whitener", lambda gram, *a, **k: torch.zeros_like(gram))
+            assert F._swan_update_gram_first(g, cfg, f64, f64).abs().max() == 0  # the shortcut really ran
+            monkeypatch.undo()
+    g = torch.randn(16, 8, generator=gen, dtype=f64)
+    for bad in ("zero", "tiny", "huge", "nan", "inf"):
+        x = g.clone()
+        x[:, 2] = {"zero": 0.0, "tiny": 1e-17, "huge": 1e17, "nan": float("nan"), "inf": float("inf")}[bad]
+        assert F._swan_update_gram_first(x, cfg, f64, f64) is None, bad
+    wide = torch.randn(8, 16, generator=gen)
+    monkeypatch.setattr(F, "_swan_update_gram_first", lambda *a: pytest.fail("wide matrices take the general path"))
+    F._swan_update(wide, WhitenConfig(method=method, steps=steps, beta=beta))
+
+
+def test_inputs_are_never_written():
+    """The fast paths cast and scale in place: only ever their own temporaries, for every input dtype,
+    whitening dtype, GradNorm mode and method."""
+    for dt in (torch.bfloat16, torch.float32, torch.float64):
+        for wdt in ("bfloat16", "float32", "float64"):
+            for gn in ("rms", "mean", "none"):
+                for method in ("nsds", "ns", "none"):
+                    for shape in [(8, 16), (16, 8), (8, 8)]:
+                        g = torch.randn(*shape).to(dt)
+                        g0 = g.clone()
+                        swan_update(g, WhitenConfig(method=method, grad_norm=gn, dtype=wdt))
+                        grad_norm(g)
+                        rescale(g)
+                        assert torch.equal(g, g0), (dt, wdt, gn, method, shape)

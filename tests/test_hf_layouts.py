@@ -8,6 +8,7 @@ DistributedDataParallel) and FSDP2 (``fully_shard`` on a 2-process gloo mesh) at
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import pytest
@@ -133,12 +134,15 @@ def _grads(model: nn.Module, seed: int = 1, scale: dict | None = None) -> dict[s
     return out
 
 
-def _updates_local(model: nn.Module, grads: dict, **kw) -> dict[str, torch.Tensor]:
+def _updates_local(model: nn.Module, grads: dict, counts: list | None = None, **kw) -> dict[str, torch.Tensor]:
+    """Single-process SWAN's updates; ``counts`` gets the number of matrices it whitened."""
     opt = swan_dist.SWAN(model, **{**OPTS, **kw})
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     for n, p in model.named_parameters():
         p.grad = grads[n].clone()
     opt.step()
+    if counts is not None:
+        counts.append(opt.whitened_matrices)
     return {n: before[n] - p.detach() for n, p in model.named_parameters()}
 
 
@@ -495,6 +499,11 @@ def test_distributed_ddp_fsdp2_fsdp1_equal_single_process():
             checked, diff, _ = res[case]
             assert checked == {"gpt2": 8, "dbrx": 4, "titan_old": 3}.get(case[0], 2), case
             assert diff < 1e-5, (case, diff)
+    for case in cases:  # owner mode: each matrix whitened once, on one rank
+        build = _gpt2 if case[0] == "gpt2" else functools.partial(_moe, case[0])
+        counts: list[int] = []  # single-process SWAN (no process group here): a 3-D stack counts E matrices
+        _updates_local(build(), _grads(build()), counts, split_fused=case[2])
+        assert sum(res[case][2] for res in results) == counts[0] > 0, (case, [res[case][2] for res in results])
 
 
 def _ds_gpt2_worker(rank, world, stages):

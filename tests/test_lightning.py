@@ -79,7 +79,7 @@ def reference():
 
 def _rows(summary: str) -> list[str]:
     """The summary without its "SWAN group" lines: ZeRO-3 empties the param groups between its sub-group
-    steps, and the summary, read after a step, then shows no group's options."""
+    steps, and the summary, read after a step, then cannot name the groups' device."""
     return [line for line in summary.splitlines() if not line.startswith("  SWAN group:")]
 
 
@@ -88,6 +88,7 @@ def _check(results, name, reference):
     for rank, res in enumerate(results):
         got = res[name]
         assert _rows(got["summary"]) == _rows(summary), (name, rank, got["summary"])
+        assert "  SWAN group: nsds steps=2" in got["summary"], (name, rank, got["summary"])
         assert "2 matrices whitened by SWAN, 5 tensors on the fallback rule" in summary
         assert set(got["step1"]) == set(ref1), (name, sorted(got["step1"]))
         for n, v in ref1.items():
