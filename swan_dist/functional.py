@@ -126,10 +126,10 @@ def _scale_by(x: Tensor, factor: Tensor, dtype: torch.dtype) -> Tensor:
     one mixed-dtype multiply (one rounding); a widening one is the exact cast, then the multiply in place
     (on the CPU 3-10x faster than one mixed-dtype multiply)."""
     factor = factor.to(torch.promote_types(x.dtype, torch.float32))
-    if dtype == torch.promote_types(x.dtype, factor.dtype):
-        return x * factor
     if x.dtype != dtype and torch.promote_types(x.dtype, dtype) == dtype:
         return x.to(dtype).mul_(factor)
+    if dtype == torch.promote_types(x.dtype, factor.dtype):
+        return x * factor
     out = torch.empty(x.shape, dtype=dtype, device=x.device)
     return torch.mul(x, factor, out=out)
 
@@ -201,7 +201,7 @@ def _whitener(gram: Tensor, method: str, steps: int, beta: float, d: Tensor | No
 
     With ``d`` (..., s), a diagonal scaling folded in: ``gram`` is A and the Gram iterated is D A D
     (the Gram of X = D X'), and the result is Z·D, to be applied to X' (GradNorm without a pass over
-    the gradient, see :func:`_swan_update_gram_first`)."""
+    the gradient, see :func:`_swan_update_gram_first`). NSDS overwrites ``gram`` (callers drop it)."""
     dg = gram.diagonal(dim1=-2, dim2=-1).to(torch.promote_types(gram.dtype, torch.float32))
     if d is not None:
         dg = dg * d * d
@@ -233,7 +233,8 @@ def _nsds_z(gram: Tensor, dg: Tensor, c: Tensor, steps: int, beta: float, d: Ten
     ``dZ_{k+1} = β dZ_k (3 − dZ_k dY_k)`` (a₀ = dZ₀ = 1, dY₀ = c·diag(gram)). Only the last Z is a
     matrix: ``Z_K = 3β Diag(dZ) − β Diag(dZ)·Y₀·Diag(a dZ)`` with dZ, a at step K − 1: the same
     numbers as Alg. 2's K matrix updates, for O(K s) work besides building Z_K. With ``d`` (``gram``
-    = A, Gram = D A D, ``dg`` its diagonal): Z_K·sqrt(c)·D from A, in the same two passes."""
+    = A, Gram = D A D, ``dg`` its diagonal): Z_K·sqrt(c)·D from A, in the same two passes. Z is built
+    in ``gram``'s memory (``dg`` is read first)."""
     dy0 = c * dg
     a = torch.ones_like(dy0)
     dz = torch.ones_like(dy0)
@@ -244,7 +245,7 @@ def _nsds_z(gram: Tensor, dg: Tensor, c: Tensor, steps: int, beta: float, d: Ten
     row, col, diag = dz * (-beta) * c * sc, a * dz, 3.0 * beta * sc * dz  # Z = Diag(row)·Gram·Diag(col) + Diag(diag)
     if d is not None:
         row, col, diag = row * d, col * d * d, diag * d
-    z = gram * row.to(gram.dtype).unsqueeze(-1)
+    z = gram.mul_(row.to(gram.dtype).unsqueeze(-1))  # in place: every caller passes a Gram it drops
     z.mul_(col.to(gram.dtype).unsqueeze(-2))
     z.diagonal(dim1=-2, dim2=-1).add_(diag.to(gram.dtype))
     return z
