@@ -251,8 +251,13 @@ def _nsds_z(gram: Tensor, dg: Tensor, c: Tensor, steps: int, beta: float, d: Ten
     return z
 
 
+def _rescale_factor(u: Tensor) -> Tensor:
+    """``sqrt(m n) / ‖u‖_F`` per matrix, 0 for a zero matrix."""
+    return _recip(_norm(u, (-2, -1))) * math.sqrt(u.shape[-2] * u.shape[-1])
+
+
 def _rescale(u: Tensor, dtype: torch.dtype) -> Tensor:
-    return _scale_by(u, _recip(_norm(u, (-2, -1))) * math.sqrt(u.shape[-2] * u.shape[-1]), dtype)
+    return _scale_by(u, _rescale_factor(u), dtype)
 
 
 def rescale(u: Tensor) -> Tensor:
@@ -347,8 +352,8 @@ def _swan_update_gram_first(g: Tensor, cfg: WhitenConfig, wdtype: torch.dtype, o
         return None
     d = sq.rsqrt().mul_(math.sqrt(g.shape[-2]))  # GradNorm: each input index over its RMS
     z = _whitener(a, cfg.method, cfg.steps, cfg.beta, d)
-    upd = torch.matmul(xb, z.mT).to(out_dtype)  # (X_paper)ᵀ in torch layout: g·(Z D)ᵀ
-    return upd.mul_(_recip(_norm(upd, (-2, -1))) * math.sqrt(upd.shape[-2] * upd.shape[-1]))
+    upd = torch.matmul(xb, z.mT).to(out_dtype)  # (X_paper)ᵀ in torch layout: g·(Z D)ᵀ; a new tensor
+    return upd.mul_(_rescale_factor(upd))  # the norm of the widened update, so no bf16-rounded scale
 
 
 def whiten_flops(shape: tuple[int, int], cfg: WhitenConfig) -> float:

@@ -27,7 +27,8 @@ from .adapter import (Form, Member, Piece, adapter_for, adopt, name_bare_params,
                       repoint, reusable, tensor_key)
 from .functional import WhitenConfig, resolve_dtype, swan_update
 from .presets import OPTIMIZER_KEYS, load_preset
-from .routing import ROW_MAJOR, Exchange, Layout, MatrixSpec, StepAgreement, build_plan, comm_device, split_rows
+from .routing import (ROW_MAJOR, Exchange, Layout, MatrixSpec, StepAgreement, build_plan, comm_device,
+                      matrices_in, split_rows)
 from . import selection as _selection
 from .selection import Rule, classify, collapse_name, param_groups, tag_model, tagged_form, tagged_name
 
@@ -723,7 +724,7 @@ class SWAN(torch.optim.Optimizer):
                 else:
                     for (g, pc), u in zip(chunk, upd):
                         self._apply(g, pc.param, pc.layout.from_full(u))
-                self.whitened_matrices += len(chunk) * max(1, torch.Size(shape[:-2]).numel()) * max(1, len(split))
+                self.whitened_matrices += len(chunk) * matrices_in(shape, split)
 
     def _apply_stack(self, chunk: list, rows: Tensor) -> None:
         """Row j of ``rows`` is the flat update of ``chunk[j]``'s piece: applied per (group, device, dtype)

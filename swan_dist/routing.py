@@ -34,7 +34,7 @@ from torch import Tensor
 from .functional import WhitenConfig, swan_update, whiten_flops
 
 __all__ = ["Layout", "ROW_MAJOR", "MatrixSpec", "Plan", "Bucket", "build_plan", "cover", "Exchange", "Segment",
-           "StepAgreement", "swan_compute", "swan_cost", "split_rows", "part_shapes"]
+           "StepAgreement", "swan_compute", "swan_cost", "split_rows", "matrices_in", "part_shapes"]
 
 Range = tuple[int, int]
 Segment = tuple[int, int, int]  # (matrix index, lo, hi)
@@ -164,6 +164,11 @@ def part_shapes(shape: Sequence[int], split: Sequence[int]) -> list[tuple[int, i
         return [(rows, cols)]
     k = _periods(rows, split)
     return [(k * s, cols) for s in split]
+
+
+def matrices_in(shape: Sequence[int], split: Sequence[int]) -> int:
+    """How many matrices SWAN whitens for one tensor: each of a 3-D stack's E, each row part of a split."""
+    return max(1, torch.Size(shape[:-2]).numel()) * max(1, len(split))
 
 
 def split_rows(stack: Tensor, split: Sequence[int], compute: Callable[[Tensor], Tensor]) -> Tensor:
@@ -699,8 +704,7 @@ class Exchange:
                 for row, m in zip(stack, ms):  # the received rest
                     for lo, hi, off in st.recv_at.get(m, ()):
                         row[lo:hi].copy_(recv[off: off + hi - lo])
-                spec = plan.specs[ms[0]]  # a 3-D expert stack counts as its E matrices, as the local path does
-                whitened += len(ms) * max(1, torch.Size(spec.shape[:-2]).numel()) * max(1, len(spec.split))
+                whitened += len(ms) * matrices_in(plan.specs[ms[0]].shape, plan.specs[ms[0]].split)
                 for m, u in zip(ms, self._compute(ms, stack)):
                     lo, hi = my[m]
                     if hi > lo:
