@@ -340,3 +340,23 @@ def test_state_bytes_count_the_fallback_moments_only():
     assert sizes["swan_sign"] == {"optimizer_state": 0, "master_weights": 0}
     assert sizes["adamw"]["master_weights"] == 0
     assert sizes["swan"]["optimizer_state"] < sizes["adamw"]["optimizer_state"]
+
+
+@pytest.mark.parametrize("per", [1, 2, 5])
+def test_local_stacks_cut_at_the_cpu_batch_bound_give_the_same_step(monkeypatch, per):
+    """The CPU whitens same-shape matrices in stacks of at most _CPU_BATCH_BYTES: a stack cut into
+    chunks (with a remainder) gives each matrix exactly its own single-matrix update."""
+    import swan_dist.optimizer as so
+
+    monkeypatch.setattr(so, "_CPU_BATCH_BYTES", per * 4 * 12 * 10)
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(10, 12, bias=False) for _ in range(5)))
+    before = [p.detach().clone() for p in model.parameters()]
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    opt = SWAN(model, lr=0.1, alpha=1.0, verbose=False)
+    assert {r for _, _, r, _ in opt._rows} == {"SWAN"}
+    opt.step()
+    assert opt.whitened_matrices == 5
+    for p, p0 in zip(model.parameters(), before):
+        torch.testing.assert_close(p.detach(), p0 - 0.1 * swan_update(p.grad)[0], atol=1e-6, rtol=0)
