@@ -1,7 +1,8 @@
 """The owner-rank engine, measured side by side in one run.
 
 1. Optimizer step time at world size W (default 2, gloo on CPU / NCCL on GPU) on the reference
-   model, FSDP2-sharded and DDP-replicated: SWAN owner mode vs replicated mode vs torch AdamW.
+   model, FSDP2-sharded and DDP-replicated: SWAN owner mode (phased, and in one phase) vs replicated
+   mode vs torch AdamW; on the CPU each step split into the whitening itself and the rest.
 2. Bytes this run's exchange actually sent per step vs the minimum 2·(W−1)/W·bytes(matrices) for
    sharded gradients (under DDP every rank needs every update: (W−1)·bytes(matrices) at least).
 3. Planner balance (Σ over buckets of the slowest owner's cost vs lower bounds) for the matrix shapes of
@@ -28,7 +29,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from swan_dist.functional import WhitenConfig
-from swan_dist.routing import MatrixSpec, build_plan
+from swan_dist.routing import Exchange, MatrixSpec, build_plan
 
 from _report import write_section  # noqa: E402 (benchmarks/ is the script's folder)
 
@@ -138,7 +139,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-NAMES = ("adamw", "owner", "replicated", "owner-ns", "replicated-ns")
+# name: (mode, preset, whole bucket in one phase); "owner-1p": no overlap of the exchange with the whitening
+NAMES = {"adamw": None, "owner": ("owner", "swan_ddagger", False), "owner-1p": ("owner", "swan_ddagger", True),
+         "replicated": ("replicated", "swan_ddagger", False), "owner-ns": ("owner", "swan_dagger", False),
+         "replicated-ns": ("replicated", "swan_dagger", False)}
+
+
+def _timed(compute, spent: list[float]):
+    def run(stack, cfg):
+        t0 = time.perf_counter()
+        out = compute(stack, cfg)
+        spent[0] += time.perf_counter() - t0
+        return out
+    return run
 
 
 def _worker(rank: int, world: int, port: int, size: str, steps: int, out: str) -> None:
@@ -176,22 +189,33 @@ def _worker(rank: int, world: int, port: int, size: str, steps: int, out: str) -
             if name == "adamw":
                 opts[name] = torch.optim.AdamW(model.parameters(), lr=0.0)
             else:
-                mode, _, ns = name.partition("-")
-                opts[name] = swan_dist.SWAN(model, preset="swan_dagger" if ns else "swan_ddagger", lr=0.0, mode=mode,
-                                            verbose=False)
+                mode, preset, one_phase = NAMES[name]
+                opts[name] = swan_dist.SWAN(model, preset=preset, lr=0.0, mode=mode, verbose=False)
             opts[name].step()  # warm-up: plan, state
+            if name != "adamw" and NAMES[name][2]:  # the same plan run as one phase per bucket
+                ex = opts[name]._plan
+                opts[name]._plan = Exchange(ex.plan, ex.rank, ex.group, ex.device, ex.dtypes, phase_bytes=None)
+                opts[name]._plans = {k: opts[name]._plan for k in opts[name]._plans}
         sent0 = {n: o._plan.bytes_sent if getattr(o, "_plan", None) else 0 for n, o in opts.items()}
         times: dict[str, list[float]] = {n: [] for n in NAMES}
+        whiten: dict[str, list[float]] = {n: [] for n in NAMES}
+        spent = [0.0]
+        if not cuda:  # the time in the whitening itself (CPU ops are synchronous: no sync to add)
+            for opt in opts.values():
+                if getattr(opt, "_plan", None):
+                    opt._plan.compute = _timed(opt._plan.compute, spent)
         for _ in range(steps):
             for name, opt in opts.items():
                 dist.barrier()
                 sync()
+                spent[0] = 0.0
                 t0 = time.perf_counter()
                 opt.step()
                 sync()
-                t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=device)
+                t = torch.tensor([time.perf_counter() - t0, spent[0]], dtype=torch.float64, device=device)
                 dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the step ends for everyone at the slowest rank
-                times[name].append(t.item())
+                times[name].append(t[0].item())
+                whiten[name].append(t[1].item())
         for name, opt in opts.items():
             sent = ((opt._plan.bytes_sent - sent0[name]) / steps) if getattr(opt, "_plan", None) else 0
             tot = torch.tensor([sent], dtype=torch.float64, device=device)
@@ -199,7 +223,8 @@ def _worker(rank: int, world: int, port: int, size: str, steps: int, out: str) -
             swan_bytes = sum(
                 4 * p.numel() for g in getattr(opt, "param_groups", []) if g.get("use_swan") for p in g["params"]
             )
-            results.append((layout, name, statistics.median(times[name]), tot.item(), swan_bytes))
+            results.append((layout, name, statistics.median(times[name]), tot.item(), swan_bytes,
+                            statistics.median(whiten[name]) if not cuda else None))
         del opts, model
     if rank == 0:
         torch.save(results, out)
@@ -217,30 +242,42 @@ def step_table(world: int, size: str, steps: int) -> str:
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"CPU, {world} processes of {max(1, (os.cpu_count() or 2) // world)} thread(s)"
     lines = [
         f"Reference model `{size}`, W={world}, {device}, torch {torch.__version__}; optimizer.step() only, "
-        f"median over {steps} steps on fixed gradients of the slowest rank's time per step, the five optimizers "
+        f"median over {steps} steps on fixed gradients of the slowest rank's time per step, the six optimizers "
         "of a layout interleaved (one step each per round). owner/replicated: SWAN‡ (NSDS); -ns: SWAN† (NS, 10 "
-        f"steps). **replicated / owner**: how much faster owner mode is (ideal W = {world}x; target at W=2: "
-        f"{TARGET}x).",
+        "steps); owner-1p: owner SWAN‡ with each bucket exchanged in one phase (no exchange in flight while it "
+        f"whitens). **replicated / owner**: how much faster owner mode is (ideal W = {world}x; target at W=2: "
+        f"{TARGET}x). **whitening**: the slowest rank's time in the whitening itself (`swan_update` on its "
+        "stacks); **rest**: step − whitening (the exchange, the fallback rule on the other parameters, the "
+        "finite checks, applying the updates). **Amdahl**: replicated / owner if owner mode only split the "
+        f"whitening {world} ways and left the replicated step's rest as it is: the most owner mode can gain "
+        "without also splitting the rest.",
         "",
-        "| layout | optimizer | step (ms) | vs AdamW | replicated / owner | bytes sent / step (all ranks) | minimum "
-        "| sent / minimum |",
-        "|---|---|---:|---:|---:|---:|---:|---:|",
+        "| layout | optimizer | step (ms) | vs AdamW | replicated / owner | whitening (ms) | rest (ms) | Amdahl "
+        "| bytes sent / step (all ranks) | minimum | sent / minimum |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for layout in ("fsdp2", "ddp"):
         rows = [r for r in results if r[0] == layout]
         t_of = {r[1]: r[2] for r in rows}
+        w_of = {r[1]: r[5] for r in rows}
         t_adam = t_of["adamw"]
-        for _, name, t, sent, swan_bytes in rows:
+        for _, name, t, sent, swan_bytes, w in rows:
             if name == "adamw":
-                lines.append(f"| {layout} | adamw | {t * 1e3:.1f} | 1.00x | - | - | - | - |")
+                lines.append(f"| {layout} | adamw | {t * 1e3:.1f} | 1.00x | - | - | - | - | - | - | - |")
                 continue
+            rep = "replicated-ns" if name.endswith("-ns") else "replicated"
+            amdahl = "-"
+            if name.startswith("owner") and w is not None:
+                t_rep, w_rep = t_of[rep], w_of[rep]
+                amdahl = f"{t_rep / (w_rep / world + t_rep - w_rep):.2f}x"
+            split = f"{w * 1e3:.1f} | {(t - w) * 1e3:.1f}" if w is not None else "- | -"
             factor = {("fsdp2", "owner"): 2 * (world - 1) / world, ("fsdp2", "replicated"): world - 1,
                       ("ddp", "owner"): world - 1, ("ddp", "replicated"): 0}[(layout, name.split("-")[0])]
             minimum = factor * swan_bytes
             ratio = f"{sent / minimum:.2f}" if minimum else "-"
-            speed = f"**{t_of[name.replace('owner', 'replicated')] / t:.2f}x**" if name.startswith("owner") else "-"
-            lines.append(f"| {layout} | {name} | {t * 1e3:.1f} | {t / t_adam:.2f}x | {speed} | {sent / 2**20:.1f} MiB | "
-                         f"{minimum / 2**20:.1f} MiB | {ratio} |")
+            speed = f"**{t_of[rep] / t:.2f}x**" if name.startswith("owner") else "-"
+            lines.append(f"| {layout} | {name} | {t * 1e3:.1f} | {t / t_adam:.2f}x | {speed} | {split} | {amdahl} | "
+                         f"{sent / 2**20:.1f} MiB | {minimum / 2**20:.1f} MiB | {ratio} |")
     lines += [
         "",
         "Minimum: owner mode on sharded gradients 2·(W−1)/W·bytes(matrices) (gather to the owner, scatter "

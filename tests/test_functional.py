@@ -163,6 +163,31 @@ def test_nonfinite_matrices_flagged_and_zeroed_without_touching_others():
     assert torch.allclose(upd[[0, 2]], alone)
 
 
+@pytest.mark.parametrize("lead", [(1,), (1, 1)])
+def test_a_stack_of_one_is_whitened_as_its_matrix(monkeypatch, lead):
+    """A stack holding one matrix (the owner path's phases make them) runs as that matrix (torch's
+    batch-of-one bmm is a slow kernel on the CPU): same update, the stack's shapes, NaN still flagged."""
+    import swan_dist.functional as F
+
+    seen, inner = [], F._swan_update
+    monkeypatch.setattr(F, "_swan_update", lambda g, cfg: seen.append(g.dim()) or inner(g, cfg))
+    swan_update(torch.randn(*lead, 6, 5))
+    swan_update(torch.randn(2, 6, 5))
+    assert seen == [2, 3]
+    for shape in [(24, 40), (40, 24)]:
+        g = torch.randn(shape)
+        for cfg in (WhitenConfig(), WhitenConfig(method="ns", steps=5, beta=0.8), WhitenConfig(dtype="bfloat16")):
+            upd, finite = swan_update(g.view(*lead, *shape), cfg)
+            assert upd.shape == (*lead, *shape) and finite.shape == lead and finite.all()
+            assert torch.equal(upd.reshape(shape), swan_update(g, cfg)[0])
+            both, _ = swan_update(torch.stack([g, g]).view(2, *lead, *shape), cfg)
+            torch.testing.assert_close(upd, both[0], atol=1e-6, rtol=1e-5)
+    bad = torch.randn(1, 6, 5)
+    bad[0, 1, 1] = float("nan")
+    upd, finite = swan_update(bad)
+    assert finite.tolist() == [False] and torch.equal(upd, torch.zeros(1, 6, 5))
+
+
 def test_bf16_gradients_and_bf16_iteration():
     g = torch.randn(16, 32)
     ref, _ = swan_update(g)
