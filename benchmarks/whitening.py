@@ -10,6 +10,10 @@ measured side by side in one run, per preset and whitening dtype:
     and on one large square product;
   - the efficiency = needed FLOPs / update time, as a fraction of each rate (target: >= 80 % of the
     same-shape rate).
+On a glibc CPU the whole measurement runs a second time in a child process with glibc's trimming off
+(``MALLOC_MMAP_THRESHOLD_`` / ``MALLOC_TRIM_THRESHOLD_``): by default glibc returns large freed buffers
+to the kernel and each step faults fresh, zeroed pages in again, which the first rows pay and the
+second do not.
 Writes the `whitening-<device>` section of docs/benchmarks.md.
 
     python benchmarks/whitening.py --size small
@@ -18,9 +22,13 @@ Writes the `whitening-<device>` section of docs/benchmarks.md.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from collections import Counter
 
@@ -72,6 +80,21 @@ def _gemms_only(stack: torch.Tensor, cfg: WhitenConfig):
     return run
 
 
+NO_TRIM = {"MALLOC_MMAP_THRESHOLD_": str(1 << 30), "MALLOC_TRIM_THRESHOLD_": str(1 << 32)}
+ALLOCATOR = {False: "glibc", True: "glibc, no trim"}
+
+
+def _no_trim_rows(args) -> list:
+    """The same measurement in a child process with glibc's mmap/trim thresholds fixed high."""
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "rows.json")
+        cmd = [sys.executable, __file__, "--size", args.size, "--reps", str(args.reps), "--device", args.device,
+               "--compile", args.compile, "--rows-out", out] + (["--dtypes", args.dtypes] if args.dtypes else [])
+        subprocess.run(cmd, check=True, env={**os.environ, **NO_TRIM})
+        with open(out) as f:
+            return [tuple(r) for r in json.load(f)]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size", default="small")
@@ -81,6 +104,8 @@ def main() -> None:
     ap.add_argument("--compile", choices=["auto", "yes", "no"], default="auto",
                     help="also time swan_update through torch.compile (auto: on CUDA, where it is the default)")
     ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--no-allocator-run", action="store_true", help="skip the second run with glibc's trimming off")
+    ap.add_argument("--rows-out", help=argparse.SUPPRESS)  # the child run: write the rows here, nothing else
     args = ap.parse_args()
     device = torch.device(args.device)
     timed = _timer(device, args.reps)
@@ -108,7 +133,14 @@ def main() -> None:
                 t_gemm += timed(_gemms_only(stack.to(getattr(torch, dt)), cfg))
                 flops += _needed_flops(shape, cfg) * stack.shape[0]
             os.environ.pop("SWAN_DIST_COMPILE", None)
-            rows.append((dt, label, t_comp if compiled else t_upd, t_upd, t_gemm, flops, square))
+            rows.append((ALLOCATOR[os.environ.get("MALLOC_TRIM_THRESHOLD_") == NO_TRIM["MALLOC_TRIM_THRESHOLD_"]],
+                         dt, label, t_comp if compiled else t_upd, t_upd, t_gemm, flops, square))
+    if args.rows_out:
+        with open(args.rows_out, "w") as f:
+            json.dump(rows, f)
+        return
+    if device.type == "cpu" and platform.libc_ver()[0] == "glibc" and not args.no_allocator_run:
+        rows += _no_trim_rows(args)
     dev = (torch.cuda.get_device_name(device) if device.type == "cuda"
            else f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)")
     n_mat = sum(shapes.values())
@@ -117,16 +149,18 @@ def main() -> None:
         f"one process, {dev}, torch {torch.__version__}; median of {args.reps}. Needed FLOPs: Gram + final product "
         "(4 s² l per matrix) and, for NS, 3K − 3 s×s products. Same-shape rate: those GEMMs alone, on the same stacks.",
         "",
-        f"| dtype | preset | update (ms) | eager update (ms) | GEMMs alone (ms) | needed GFLOP | achieved GFLOP/s | "
+        f"| allocator | dtype | preset | update (ms) | eager update (ms) | GEMMs alone (ms) | needed GFLOP | achieved GFLOP/s | "
         f"same-shape GEMM GFLOP/s | vs same-shape (target ≥ 80 %) | {big}² matmul GFLOP/s | vs {big}² |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for dt, label, t_upd, t_eager, t_gemm, flops, square in rows:
+    for alloc, dt, label, t_upd, t_eager, t_gemm, flops, square in rows:
         ach, gem = flops / t_upd / 1e9, flops / t_gemm / 1e9
-        lines.append(f"| {dt} | {label} | {t_upd * 1e3:.2f} | {t_eager * 1e3:.2f} | {t_gemm * 1e3:.2f} | {flops / 1e9:.2f} | "
+        lines.append(f"| {alloc} | {dt} | {label} | {t_upd * 1e3:.2f} | {t_eager * 1e3:.2f} | {t_gemm * 1e3:.2f} | {flops / 1e9:.2f} | "
                      f"{ach:.1f} | {gem:.1f} | {100 * ach / gem:.0f} % | {square:.1f} | {100 * ach / square:.0f} % |")
     lines += ["", "update: as SWAN runs it on this device (" + ("through torch.compile" if compiled else "eager") +
-              "); eager update: SWAN_DIST_COMPILE=0."]
+              "); eager update: SWAN_DIST_COMPILE=0. allocator: *glibc* as a process starts; *glibc, no trim*: "
+              "the same measurement in a child process with " + " ".join(f"{k}={v}" for k, v in NO_TRIM.items()) +
+              " (freed buffers stay with the process, no fresh pages to fault in and zero)."]
     text = "\n".join(lines)
     print(text)
     if not args.no_write:
