@@ -86,6 +86,11 @@ class DTensorAdapter(Adapter):
     def check(self, tensor: Tensor, name: str) -> None:
         self._grid(tensor, name)
 
+    def local(self, tensor: Tensor) -> Tensor:
+        # Shard / Replicate only (checked above; a gradient carries the parameter's placements): an
+        # elementwise update of the local shard is the update of those elements of the whole tensor
+        return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
     def pieces(self, tensor: Tensor, name: str, rules: tuple[bool, ...]) -> list[Piece]:
         layout, ranges = self._grid(tensor, name)
         coord = tensor.device_mesh.get_coordinate()

@@ -193,6 +193,12 @@ class Adapter:
         """Raise ``ValueError`` naming ``name`` if this tensor's layout is not supported (at construction,
         decided from what every rank sees alike)."""
 
+    def local(self, tensor: Tensor) -> Tensor:
+        """This rank's elements of ``tensor`` (a parameter this adapter claims, its gradient, or a state
+        tensor made like it), as a tensor sharing its storage that an elementwise rule (the fallback) may
+        update in place instead: a plain tensor lets it use torch's foreach/fused kernels directly."""
+        return tensor
+
     def pieces(self, tensor: Tensor, name: str, rules: tuple[bool, ...]) -> list[Piece]:
         """This rank's piece of each member of ``tensor`` (``rules``: SWAN or not, per member)."""
         raise NotImplementedError
@@ -261,6 +267,17 @@ def repoint(piece: Piece, tensor: Tensor) -> bool:
         return False
     piece.grad, piece.target_grad = g.reshape(-1), g
     return True
+
+
+def local_of(tensors: Sequence[Tensor]) -> list[Tensor]:
+    """Each tensor as the adapter claiming it gives it to elementwise rules (:meth:`Adapter.local`: a
+    DTensor's local shard); plain tensors and tensors no adapter claims as they are."""
+    out = []
+    for t in tensors:
+        if type(t) not in (Tensor, nn.Parameter):
+            t = next((a.local(t) for a in _registry() if a.claims(t)), t)
+        out.append(t)
+    return out
 
 
 def adapter_for(tensor: Tensor) -> Adapter:

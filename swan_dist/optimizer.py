@@ -23,8 +23,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim.adam import adam as _adam_functional
 
-from .adapter import (Form, Member, Piece, adapter_for, adopt, name_bare_params, optimizer_built, registry_token,
-                      repoint, reusable, tensor_key)
+from .adapter import (Form, Member, Piece, adapter_for, adopt, local_of, name_bare_params, optimizer_built,
+                      registry_token, repoint, reusable, tensor_key)
 from .functional import WhitenConfig, resolve_dtype, swan_update
 from .presets import OPTIMIZER_KEYS, load_preset
 from .routing import (ROW_MAJOR, Exchange, Layout, MatrixSpec, StepAgreement, build_plan, comm_device,
@@ -856,8 +856,8 @@ class SWAN(torch.optim.Optimizer):
     # Each updates its pieces' targets from their target gradients, with state where the piece's
     # adapter put it (``Piece.slot``): whole tensors of the target's shape, or a span of a packed
     # tensor's compact state. torch's foreach kernels run them over every piece of a kind at once
-    # (plain tensors on one device and dtype; others, e.g. DTensors, in lists of their own type), and
-    # on the CPU torch's fused AdamW.
+    # (tensors on one device and dtype, as their adapter's ``local`` gives them: a DTensor's local shard,
+    # so that no DTensor dispatch runs per op), and on the CPU torch's fused AdamW.
     @staticmethod
     def _kinds(pieces: list[Piece]) -> list[list[Piece]]:
         """Pieces in lists a foreach kernel takes at once: same target type, device and dtype, and same
@@ -891,8 +891,9 @@ class SWAN(torch.optim.Optimizer):
         at = {id(pc): j for j, pc in enumerate(pieces)}
         for kind in self._kinds(pieces):
             js = [at[id(pc)] for pc in kind]
-            targets, grads = [pc.target for pc in kind], [pc.target_grad for pc in kind]
-            m, v, st = [exp_avgs[j] for j in js], [exp_avg_sqs[j] for j in js], [steps[j] for j in js]
+            targets, grads = local_of([pc.target for pc in kind]), local_of([pc.target_grad for pc in kind])
+            m, v = local_of([exp_avgs[j] for j in js]), local_of([exp_avg_sqs[j] for j in js])
+            st = [steps[j] for j in js]
             _adam_functional(
                 targets, grads, m, v, [], st, decoupled_weight_decay=True, amsgrad=False, beta1=b1, beta2=b2,
                 lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"], maximize=False,
@@ -919,7 +920,7 @@ class SWAN(torch.optim.Optimizer):
     def _fallback_sign(self, group: dict, pieces: list[Piece]) -> None:
         lr, wd = float(group["lr"]), float(group["weight_decay"])
         for kind in self._kinds(pieces):
-            targets, grads = [pc.target for pc in kind], [pc.target_grad for pc in kind]
+            targets, grads = local_of([pc.target for pc in kind]), local_of([pc.target_grad for pc in kind])
             if type(targets[0]) not in _PLAIN or type(grads[0]) not in _PLAIN:  # (a subclass: one at a time)
                 for t, g in zip(targets, grads):
                     if wd:
@@ -933,7 +934,7 @@ class SWAN(torch.optim.Optimizer):
     def _fallback_sgd(self, group: dict, pieces: list[Piece]) -> None:
         lr, wd = float(group["lr"]), float(group["weight_decay"])
         for kind in self._kinds(pieces):
-            targets, grads = [pc.target for pc in kind], [pc.target_grad for pc in kind]
+            targets, grads = local_of([pc.target for pc in kind]), local_of([pc.target_grad for pc in kind])
             if type(targets[0]) not in _PLAIN or type(grads[0]) not in _PLAIN:
                 for t, g in zip(targets, grads):
                     if wd:

@@ -81,7 +81,9 @@ def _full(model: nn.Module) -> dict[str, torch.Tensor]:
     return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in model.named_parameters()}
 
 
-OPTS = [dict(preset="swan_ddagger", lr=0.05), dict(preset="swan_dagger", lr=0.05, weight_decay=0.1, ns_steps=4)]
+# the fallback rules (AdamW, sign) run on the DTensors' local shards: compared with plain tensors here
+OPTS = [dict(preset="swan_ddagger", lr=0.05),
+        dict(preset="swan_dagger", lr=0.05, weight_decay=0.1, ns_steps=4, fallback="sign")]
 
 
 def _fsdp2_worker(rank, world, mode, hsdp=False):
