@@ -187,7 +187,7 @@ def _worker(rank: int, world: int, port: int, size: str, steps: int, out: str) -
         opts = {}
         for name in NAMES:
             if name == "adamw":
-                opts[name] = torch.optim.AdamW(model.parameters(), lr=0.0)
+                opts[name] = torch.optim.AdamW(model.parameters(), lr=0.0, foreach=True)
             else:
                 mode, preset, one_phase = NAMES[name]
                 opts[name] = swan_dist.SWAN(model, preset=preset, lr=0.0, mode=mode, verbose=False)
@@ -213,9 +213,11 @@ def _worker(rank: int, world: int, port: int, size: str, steps: int, out: str) -
                 opt.step()
                 sync()
                 t = torch.tensor([time.perf_counter() - t0, spent[0]], dtype=torch.float64, device=device)
-                dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the step ends for everyone at the slowest rank
-                times[name].append(t[0].item())
-                whiten[name].append(t[1].item())
+                every = [torch.empty_like(t) for _ in range(world)]
+                dist.all_gather(every, t)  # the step ends for everyone at the slowest rank: its split
+                slowest = max(every, key=lambda x: x[0].item())
+                times[name].append(slowest[0].item())
+                whiten[name].append(slowest[1].item())
         for name, opt in opts.items():
             sent = ((opt._plan.bytes_sent - sent0[name]) / steps) if getattr(opt, "_plan", None) else 0
             tot = torch.tensor([sent], dtype=torch.float64, device=device)
@@ -243,11 +245,12 @@ def step_table(world: int, size: str, steps: int) -> str:
     lines = [
         f"Reference model `{size}`, W={world}, {device}, torch {torch.__version__}; optimizer.step() only, "
         f"median over {steps} steps on fixed gradients of the slowest rank's time per step, the six optimizers "
-        "of a layout interleaved (one step each per round). owner/replicated: SWAN‡ (NSDS); -ns: SWAN† (NS, 10 "
+        "of a layout interleaved (one step each per round). adamw: torch's AdamW, foreach. owner/replicated: "
+        "SWAN‡ (NSDS); -ns: SWAN† (NS, 10 "
         "steps); owner-1p: owner SWAN‡ with each bucket exchanged in one phase (no exchange in flight while it "
         f"whitens). **replicated / owner**: how much faster owner mode is (ideal W = {world}x; target at W=2: "
         f"{TARGET}x). **whitening**: the slowest rank's time in the whitening itself (`swan_update` on its "
-        "stacks); **rest**: step − whitening (the exchange, the fallback rule on the other parameters, the "
+        "stacks), for each step the rank whose step was slowest; **rest**: its step − whitening (the exchange, the fallback rule on the other parameters, the "
         "finite checks, applying the updates). **Amdahl**: replicated / owner if owner mode only split the "
         f"whitening {world} ways and left the replicated step's rest as it is: the most owner mode can gain "
         "without also splitting the rest.",

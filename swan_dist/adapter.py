@@ -269,15 +269,15 @@ def repoint(piece: Piece, tensor: Tensor) -> bool:
     return True
 
 
-def local_of(tensors: Sequence[Tensor]) -> list[Tensor]:
-    """Each tensor as the adapter claiming it gives it to elementwise rules (:meth:`Adapter.local`: a
-    DTensor's local shard); plain tensors and tensors no adapter claims as they are."""
-    out = []
-    for t in tensors:
-        if type(t) not in (Tensor, nn.Parameter):
-            t = next((a.local(t) for a in _registry() if a.claims(t)), t)
-        out.append(t)
-    return out
+def local_of(target: Tensor, *lists: Sequence[Tensor]) -> tuple[list[Tensor], ...]:
+    """``lists`` (the targets, gradients and state tensors of pieces whose targets are like ``target``)
+    as the adapter claiming ``target`` gives them to elementwise rules (:meth:`Adapter.local`: a
+    DTensor's local shard); as they are where ``target`` is plain or no adapter claims it."""
+    adapter = None if type(target) in (Tensor, nn.Parameter) else next(
+        (a for a in _registry() if a.claims(target)), None)
+    if adapter is None:
+        return tuple(list(ts) for ts in lists)
+    return tuple([adapter.local(t) for t in ts] for ts in lists)
 
 
 def adapter_for(tensor: Tensor) -> Adapter:

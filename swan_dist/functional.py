@@ -290,10 +290,11 @@ def swan_update(g: Tensor, cfg: WhitenConfig = WhitenConfig()) -> tuple[Tensor, 
         return torch.zeros(g.shape, dtype=torch.float32, device=g.device), torch.ones(
             g.shape[:-2], dtype=torch.bool, device=g.device
         )
-    if g.dim() > 2 and math.prod(g.shape[:-2]) == 1:  # a stack of one: as a matrix (on the CPU torch's
-        u, finite = swan_update(g.reshape(g.shape[-2:]), cfg)  # batch-of-one bmm is up to 2x slower than mm)
-        return u.view(g.shape), finite.view(g.shape[:-2])
-    if _compile_wanted(g.device):
+    compiled = _compile_wanted(g.device)
+    if g.device.type == "cpu" and not compiled and g.dim() > 2 and math.prod(g.shape[:-2]) == 1:
+        u, finite = swan_update(g.reshape(g.shape[-2:]), cfg)  # a stack of one as its matrix: torch's CPU
+        return u.view(g.shape), finite.view(g.shape[:-2])  # batch-of-one bmm is up to 2x slower than mm
+    if compiled:
         fn = _COMPILED.get(cfg)
         if fn is None:
             fn = _COMPILED[cfg] = torch.compile(functools.partial(_swan_update, cfg=cfg), dynamic=None)

@@ -891,8 +891,9 @@ class SWAN(torch.optim.Optimizer):
         at = {id(pc): j for j, pc in enumerate(pieces)}
         for kind in self._kinds(pieces):
             js = [at[id(pc)] for pc in kind]
-            targets, grads = local_of([pc.target for pc in kind]), local_of([pc.target_grad for pc in kind])
-            m, v = local_of([exp_avgs[j] for j in js]), local_of([exp_avg_sqs[j] for j in js])
+            targets, grads, m, v = local_of(kind[0].target, [pc.target for pc in kind],
+                                            [pc.target_grad for pc in kind], [exp_avgs[j] for j in js],
+                                            [exp_avg_sqs[j] for j in js])
             st = [steps[j] for j in js]
             _adam_functional(
                 targets, grads, m, v, [], st, decoupled_weight_decay=True, amsgrad=False, beta1=b1, beta2=b2,
@@ -920,7 +921,7 @@ class SWAN(torch.optim.Optimizer):
     def _fallback_sign(self, group: dict, pieces: list[Piece]) -> None:
         lr, wd = float(group["lr"]), float(group["weight_decay"])
         for kind in self._kinds(pieces):
-            targets, grads = local_of([pc.target for pc in kind]), local_of([pc.target_grad for pc in kind])
+            targets, grads = local_of(kind[0].target, [pc.target for pc in kind], [pc.target_grad for pc in kind])
             if type(targets[0]) not in _PLAIN or type(grads[0]) not in _PLAIN:  # (a subclass: one at a time)
                 for t, g in zip(targets, grads):
                     if wd:
@@ -934,7 +935,7 @@ class SWAN(torch.optim.Optimizer):
     def _fallback_sgd(self, group: dict, pieces: list[Piece]) -> None:
         lr, wd = float(group["lr"]), float(group["weight_decay"])
         for kind in self._kinds(pieces):
-            targets, grads = local_of([pc.target for pc in kind]), local_of([pc.target_grad for pc in kind])
+            targets, grads = local_of(kind[0].target, [pc.target for pc in kind], [pc.target_grad for pc in kind])
             if type(targets[0]) not in _PLAIN or type(grads[0]) not in _PLAIN:
                 for t, g in zip(targets, grads):
                     if wd:

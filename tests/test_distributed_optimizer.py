@@ -81,9 +81,11 @@ def _full(model: nn.Module) -> dict[str, torch.Tensor]:
     return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in model.named_parameters()}
 
 
-# the fallback rules (AdamW, sign) run on the DTensors' local shards: compared with plain tensors here
-OPTS = [dict(preset="swan_ddagger", lr=0.05),
-        dict(preset="swan_dagger", lr=0.05, weight_decay=0.1, ns_steps=4, fallback="sign")]
+# the fallback rules (AdamW, sign, sgd; with weight decay) run on the DTensors' local shards: compared
+# with plain tensors here
+OPTS = [dict(preset="swan_ddagger", lr=0.05, weight_decay=0.05),
+        dict(preset="swan_dagger", lr=0.05, weight_decay=0.1, ns_steps=4, fallback="sign"),
+        dict(preset="swan_ddagger", lr=0.05, weight_decay=0.1, fallback="sgd")]
 
 
 def _fsdp2_worker(rank, world, mode, hsdp=False):

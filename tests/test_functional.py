@@ -181,7 +181,8 @@ def test_a_stack_of_one_is_whitened_as_its_matrix(monkeypatch, lead):
             assert upd.shape == (*lead, *shape) and finite.shape == lead and finite.all()
             assert torch.equal(upd.reshape(shape), swan_update(g, cfg)[0])
             both, _ = swan_update(torch.stack([g, g]).view(2, *lead, *shape), cfg)
-            torch.testing.assert_close(upd, both[0], atol=1e-6, rtol=1e-5)
+            tol = 2e-2 if cfg.dtype == "bfloat16" else 1e-5  # mm and bmm may round a bf16 product apart
+            torch.testing.assert_close(upd, both[0], atol=tol, rtol=0)
     bad = torch.randn(1, 6, 5)
     bad[0, 1, 1] = float("nan")
     upd, finite = swan_update(bad)
