@@ -167,6 +167,7 @@ def _worker(rank: int, world: int, port: int, size: str, steps: int, out: str) -
 
     import swan_dist
     from swan_dist.reference.model import Llama, model_config
+    from swan_dist.reference.train import adamw_kernel
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -187,7 +188,7 @@ def _worker(rank: int, world: int, port: int, size: str, steps: int, out: str) -
         opts = {}
         for name in NAMES:
             if name == "adamw":
-                opts[name] = torch.optim.AdamW(model.parameters(), lr=0.0, foreach=True)
+                opts[name] = torch.optim.AdamW(model.parameters(), lr=0.0, **adamw_kernel(list(model.parameters())))
             else:
                 mode, preset, one_phase = NAMES[name]
                 opts[name] = swan_dist.SWAN(model, preset=preset, lr=0.0, mode=mode, verbose=False)
@@ -245,8 +246,8 @@ def step_table(world: int, size: str, steps: int) -> str:
     lines = [
         f"Reference model `{size}`, W={world}, {device}, torch {torch.__version__}; optimizer.step() only, "
         f"median over {steps} steps on fixed gradients of the slowest rank's time per step, the six optimizers "
-        "of a layout interleaved (one step each per round). adamw: torch's AdamW, foreach. owner/replicated: "
-        "SWAN‡ (NSDS); -ns: SWAN† (NS, 10 "
+        "of a layout interleaved (one step each per round). adamw: torch's AdamW, fused (DDP) or foreach "
+        "(FSDP2's DTensors). owner/replicated: SWAN‡ (NSDS); -ns: SWAN† (NS, 10 "
         "steps); owner-1p: owner SWAN‡ with each bucket exchanged in one phase (no exchange in flight while it "
         f"whitens). **replicated / owner**: how much faster owner mode is (ideal W = {world}x; target at W=2: "
         f"{TARGET}x). **whitening**: the slowest rank's time in the whitening itself (`swan_update` on its "
