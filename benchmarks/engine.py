@@ -251,8 +251,8 @@ def step_table(world: int, size: str, steps: int) -> str:
         "steps); owner-1p: owner SWAN‡ with each bucket exchanged in one phase (no exchange in flight while it "
         f"whitens). **replicated / owner**: how much faster owner mode is (ideal W = {world}x; target at W=2: "
         f"{TARGET}x). **whitening**: the slowest rank's time in the whitening itself (`swan_update` on its "
-        "stacks), for each step the rank whose step was slowest; **rest**: its step − whitening (the exchange, the fallback rule on the other parameters, the "
-        "finite checks, applying the updates). **Amdahl**: replicated / owner if owner mode only split the "
+        "stacks), for each step the rank whose step was slowest; **rest**: its step − whitening (the "
+        "exchange, the fallback rule on the other parameters, the finite checks, applying the updates). **Amdahl**: replicated / owner if owner mode only split the "
         f"whitening {world} ways and left the replicated step's rest as it is: the most owner mode can gain "
         "without also splitting the rest.",
         "",

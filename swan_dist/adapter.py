@@ -269,11 +269,15 @@ def repoint(piece: Piece, tensor: Tensor) -> bool:
     return True
 
 
+# Tensor types torch's foreach/fused kernels take without a subclass's dispatch.
+PLAIN = (Tensor, nn.Parameter)
+
+
 def local_of(target: Tensor, *lists: Sequence[Tensor]) -> tuple[list[Tensor], ...]:
     """``lists`` (the targets, gradients and state tensors of pieces whose targets are like ``target``)
     as the adapter claiming ``target`` gives them to elementwise rules (:meth:`Adapter.local`: a
     DTensor's local shard); as they are where ``target`` is plain or no adapter claims it."""
-    adapter = None if type(target) in (Tensor, nn.Parameter) else next(
+    adapter = None if type(target) in PLAIN else next(
         (a for a in _registry() if a.claims(target)), None)
     if adapter is None:
         return tuple(list(ts) for ts in lists)

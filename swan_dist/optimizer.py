@@ -23,8 +23,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim.adam import adam as _adam_functional
 
-from .adapter import (Form, Member, Piece, adapter_for, adopt, local_of, name_bare_params, optimizer_built,
-                      registry_token, repoint, reusable, tensor_key)
+from .adapter import (PLAIN, Form, Member, Piece, adapter_for, adopt, local_of, name_bare_params,
+                      optimizer_built, registry_token, repoint, reusable, tensor_key)
 from .functional import WhitenConfig, resolve_dtype, swan_update
 from .presets import OPTIMIZER_KEYS, load_preset
 from .routing import (ROW_MAJOR, Exchange, Layout, MatrixSpec, StepAgreement, build_plan, comm_device,
@@ -47,16 +47,16 @@ assert set(_BASE) | {"lr"} == OPTIMIZER_KEYS
 # Largest stack of same-shape gradients whitened in one batched call (bounds transient memory). On the
 # CPU, larger whitening stacks are faster (fewer calls; the batched GEMM splits the batch across
 # threads): 16 MiB stacks of the `small` model's matrices whiten 15-25 % faster than 1 MiB ones (two
-# threads). They stay below glibc's largest mmap threshold (32 MiB), beyond which each call's buffers are
-# mapped and faulted in afresh. Work that is only memory passes (whitening "none", applying updates)
-# runs in cache-sized sets instead: 16 MiB made the lean step's 64x64 matrices 10-30 % slower.
+# threads). (glibc may hand a stack's buffers back to the kernel between calls and fault them in again,
+# whatever their size: docs/benchmarks.md, Whitening efficiency.) Work that is only memory passes
+# (whitening "none", applying updates) runs in cache-sized sets instead: 16 MiB made the lean step's
+# 64x64 matrices 10-30 % slower.
 _MAX_BATCH_BYTES = 256 << 20
 _CPU_BATCH_BYTES = 16 << 20
 _CPU_PASS_BYTES = 1 << 20
 # Bytes of updates the exchange hands back that are held before they are applied together (on the CPU,
 # _CPU_PASS_BYTES): a bound on what they keep alive beyond the exchange's own buffers.
 _FLUSH_BYTES = 32 << 20
-_PLAIN = (Tensor, nn.Parameter)  # tensor types torch's foreach/fused kernels take without a subclass's dispatch
 _FUSED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
@@ -908,11 +908,11 @@ class SWAN(torch.optim.Optimizer):
         non-fused AdamW keeps them, and as checkpoints hold them), which the fused kernel does not take:
         foreach there."""
         t0 = targets[0]
-        if type(t0) not in _PLAIN or t0.device.type != "cpu" or t0.dtype not in _FUSED_DTYPES:
+        if type(t0) not in PLAIN or t0.device.type != "cpu" or t0.dtype not in _FUSED_DTYPES:
             return False
         dtype = t0.dtype
         for t, g, m, v, s in zip(targets, grads, *states):
-            if (type(g) not in _PLAIN or g.dtype != dtype or m.dtype != dtype or v.dtype != dtype
+            if (type(g) not in PLAIN or g.dtype != dtype or m.dtype != dtype or v.dtype != dtype
                     or not isinstance(s, Tensor) or s.device.type != "cpu" or s.dtype != torch.float32
                     or not (t.is_contiguous() and g.is_contiguous() and m.is_contiguous() and v.is_contiguous())):
                 return False
@@ -922,7 +922,7 @@ class SWAN(torch.optim.Optimizer):
         lr, wd = float(group["lr"]), float(group["weight_decay"])
         for kind in self._kinds(pieces):
             targets, grads = local_of(kind[0].target, [pc.target for pc in kind], [pc.target_grad for pc in kind])
-            if type(targets[0]) not in _PLAIN or type(grads[0]) not in _PLAIN:  # (a subclass: one at a time)
+            if type(targets[0]) not in PLAIN or type(grads[0]) not in PLAIN:  # (a subclass: one at a time)
                 for t, g in zip(targets, grads):
                     if wd:
                         t.mul_(1.0 - lr * wd)
@@ -936,7 +936,7 @@ class SWAN(torch.optim.Optimizer):
         lr, wd = float(group["lr"]), float(group["weight_decay"])
         for kind in self._kinds(pieces):
             targets, grads = local_of(kind[0].target, [pc.target for pc in kind], [pc.target_grad for pc in kind])
-            if type(targets[0]) not in _PLAIN or type(grads[0]) not in _PLAIN:
+            if type(targets[0]) not in PLAIN or type(grads[0]) not in PLAIN:
                 for t, g in zip(targets, grads):
                     if wd:
                         t.mul_(1.0 - lr * wd)

@@ -34,6 +34,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
+from swan_dist.adapter import PLAIN
 from swan_dist.memory import client_optimizer, state_bytes
 from swan_dist.selection import clean_name
 
@@ -413,7 +414,7 @@ def adamw_kernel(params: Sequence[torch.Tensor]) -> dict[str, bool]:
     """torch's fastest AdamW implementation for these tensors, as an AdamW keyword: fused for plain
     tensors, foreach for tensor subclasses such as FSDP2's DTensors (torch's own default on the CPU is
     a loop over tensors, well behind both)."""
-    plain = all(type(p) in (torch.Tensor, torch.nn.Parameter) for p in params)
+    plain = all(type(p) in PLAIN for p in params)
     return {"fused": True} if plain else {"foreach": True}
 
 
