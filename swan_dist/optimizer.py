@@ -45,21 +45,19 @@ _BASE = dict(
 assert set(_BASE) | {"lr"} == OPTIMIZER_KEYS
 
 # Largest stack of same-shape gradients whitened in one batched call (bounds transient memory). On the
-# CPU, larger whitening stacks are faster (fewer calls; the batched GEMM splits the batch across
-# threads): 16 MiB stacks of the `small` model's matrices whiten 15-25 % faster than 1 MiB ones (two
-# threads; measured while a stack of one still ran as a batch of one). 4 MiB stacks, tried since: the
-# same single-process step (84.5 vs 85.2 ms, medians of four alternating runs), more calls. (glibc may
-# hand a stack's buffers back to the kernel between calls and fault them in again, whatever their
-# size: docs/benchmarks.md, Whitening efficiency.) Work that is only memory passes
-# (whitening "none", applying updates) runs in cache-sized sets instead: 16 MiB made the lean step's
-# 64x64 matrices 10-30 % slower.
+# CPU, 16 MiB stacks of the `small` model's matrices whitened 15-25 % faster than 1 MiB ones (two threads,
+# while a stack of one still ran as a batch of one); 4 MiB gave the same single-process step since
+# (84.5 vs 85.2 ms, medians of four alternating runs). Work that is only memory passes (whitening
+# "none", applying updates) runs in cache-sized sets instead: 16 MiB made the lean step's 64x64
+# matrices 10-30 % slower.
 _MAX_BATCH_BYTES = 256 << 20
 _CPU_BATCH_BYTES = 16 << 20
 _CPU_PASS_BYTES = 1 << 20
-# Replicated mode's stacks on the CPU: a phase there holds a share of every matrix, and 4 MiB stacks made
-# the `small` model's replicated DDP step 10-15 % faster at W=2 than whole groups (176-187 vs 205-224 ms
-# in alternating runs). Owner mode's phases already keep an owner's stacks to a few MiB (unbounded).
-_CPU_REPLICATED_STACK_BYTES = 4 << 20
+# The owner engine's stacks on the CPU. In replicated mode a phase holds a share of every matrix, and
+# 4 MiB stacks instead of whole (shape, config) groups made the `small` model's replicated DDP step
+# 10-15 % faster at W=2 (176-187 vs 205-224 ms, alternating runs: glibc faults large fresh buffers in
+# again each step); owner mode's phases already keep its stacks near that size (no change measured).
+_CPU_EXCHANGE_STACK_BYTES = 4 << 20
 # Bytes of updates the exchange hands back that are held before they are applied together (on the CPU,
 # _CPU_PASS_BYTES): a bound on what they keep alive beyond the exchange's own buffers.
 _FLUSH_BYTES = 32 << 20
@@ -760,11 +758,9 @@ class SWAN(torch.optim.Optimizer):
                      for i, pc in zip(swan, pieces)]
             ranges: list = [None] * dist.get_world_size(group)
             dist.all_gather_object(ranges, [(pc.lo, pc.hi) for pc in pieces], group=group)
-            mode = self._mode(len(ranges))
-            plan = build_plan(specs, ranges, mode, int(self.bucket_mb * 2**20))
-            bound = _CPU_REPLICATED_STACK_BYTES if device.type == "cpu" and mode == "replicated" else None
+            plan = build_plan(specs, ranges, self._mode(len(ranges)), int(self.bucket_mb * 2**20))
             self._plan = Exchange(plan, dist.get_rank(group), group, device, [pc.param.dtype for pc in pieces],
-                                  stack_bytes=bound)
+                                  stack_bytes=_CPU_EXCHANGE_STACK_BYTES if device.type == "cpu" else None)
             if len(self._plans) >= 64:  # layouts that keep changing (re-sharding): do not grow without bound
                 self._plans.clear()
             self._plans[layout_key] = self._plan

@@ -567,8 +567,8 @@ class Exchange:
     whitened from its gradient itself. Each update piece a peer needs is written once, straight into the
     send buffer. A collective that moves nothing on any rank (gradients towards owners under DDP;
     everything in replicated mode under DDP) is not issued. A stack is a phase's whole (shape, config)
-    group, or at most ``stack_bytes`` of full fp32 matrices of it (one larger matrix alone; SWAN passes
-    4 MiB on the CPU in replicated mode, where glibc faults larger fresh buffers in again each step).
+    group, or at most ``stack_bytes`` of full fp32 matrices of it (one larger matrix alone): a bound on
+    the buffers each whitening call allocates afresh.
     """
 
     def __init__(self, plan: Plan, rank: int, group: dist.ProcessGroup | None, device: torch.device,
