@@ -194,17 +194,18 @@ def _worker(rank: int, world: int, port: int, size: str, steps: int, out: str) -
                 opts[name] = swan_dist.SWAN(model, preset=preset, lr=0.0, mode=mode, verbose=False)
             opts[name].step()  # warm-up: plan, state
             if name != "adamw" and NAMES[name][2]:  # the same plan run as one phase per bucket
-                ex = opts[name]._plan
-                opts[name]._plan = Exchange(ex.plan, ex.rank, ex.group, ex.device, ex.dtypes, phase_bytes=None)
-                opts[name]._plans = {k: opts[name]._plan for k in opts[name]._plans}
-        sent0 = {n: o._plan.bytes_sent if getattr(o, "_plan", None) else 0 for n, o in opts.items()}
+                plans = opts[name]._plans
+                ex = plans.last
+                plans.last = Exchange(ex.plan, ex.rank, ex.group, ex.device, ex.dtypes, phase_bytes=None)
+                plans.cache = {k: plans.last for k in plans.cache}
+        sent0 = {n: o.exchange.bytes_sent if getattr(o, "exchange", None) else 0 for n, o in opts.items()}
         times: dict[str, list[float]] = {n: [] for n in NAMES}
         whiten: dict[str, list[float]] = {n: [] for n in NAMES}
         spent = [0.0]
         if not cuda:  # the time in the whitening itself (CPU ops are synchronous: no sync to add)
             for opt in opts.values():
-                if getattr(opt, "_plan", None):
-                    opt._plan.compute = _timed(opt._plan.compute, spent)
+                if getattr(opt, "exchange", None):
+                    opt.exchange.compute = _timed(opt.exchange.compute, spent)
         for _ in range(steps):
             for name, opt in opts.items():
                 dist.barrier()
@@ -220,7 +221,7 @@ def _worker(rank: int, world: int, port: int, size: str, steps: int, out: str) -
                 times[name].append(slowest[0].item())
                 whiten[name].append(slowest[1].item())
         for name, opt in opts.items():
-            sent = ((opt._plan.bytes_sent - sent0[name]) / steps) if getattr(opt, "_plan", None) else 0
+            sent = ((opt.exchange.bytes_sent - sent0[name]) / steps) if getattr(opt, "exchange", None) else 0
             tot = torch.tensor([sent], dtype=torch.float64, device=device)
             dist.all_reduce(tot)
             swan_bytes = sum(

@@ -132,7 +132,7 @@ def _inner(opt) -> list:
 
 
 def _exchanges(opt) -> list:
-    return [ex for o in _inner(opt) for ex in getattr(o, "_plans", {}).values()]
+    return [ex for o in _inner(opt) for ex in getattr(getattr(o, "_plans", None), "cache", {}).values()]
 
 
 def _minimum_bytes(opt) -> tuple[int, int]:
@@ -140,7 +140,7 @@ def _minimum_bytes(opt) -> tuple[int, int]:
     owner receives every element of the matrix it does not hold and sends each other holder its piece."""
     given = best = 0
     for o in _inner(opt):
-        ex = o._plan
+        ex = o.exchange
         if ex is None:
             continue
         plan = ex.plan

@@ -34,7 +34,7 @@ from torch import Tensor
 from .functional import WhitenConfig, swan_update, whiten_flops
 
 __all__ = ["Layout", "ROW_MAJOR", "MatrixSpec", "Plan", "Bucket", "build_plan", "cover", "Exchange", "Segment",
-           "StepAgreement", "swan_compute", "swan_cost", "split_rows", "matrices_in", "part_shapes"]
+           "swan_compute", "update_canonical", "swan_cost", "split_rows", "matrices_in", "part_shapes"]
 
 Range = tuple[int, int]
 Segment = tuple[int, int, int]  # (matrix index, lo, hi)
@@ -189,6 +189,23 @@ def split_rows(stack: Tensor, split: Sequence[int], compute: Callable[[Tensor], 
         out[..., a:a + s, :] = compute(part).reshape(*lead, k, s, cols).to(out.dtype)
         a += s
     return out.reshape(stack.shape)
+
+
+def update_canonical(rows: Tensor, layouts: Sequence[Layout], shape: Sequence[int], split: Sequence[int],
+                     compute: Callable[[Tensor], Tensor]) -> Tensor:
+    """Updates of ``len(rows)`` same-shape matrices from their gradients, both as rows of flat elements in
+    each matrix's canonical order (``layouts``): to the matrices (column blocks put back, transposed),
+    ``compute`` over the stack (fused parts apart, :func:`split_rows`), back to canonical order. Row-major
+    matrices are views both ways. The one round trip of the local and the exchanged paths."""
+    k = rows.shape[0]
+    plain = [lay.plain for lay in layouts]
+    full = rows.view(k, *shape)
+    if not all(plain):
+        full = torch.stack([f if p else lay.to_full(r, shape) for f, p, lay, r in zip(full, plain, layouts, rows)])
+    upd = split_rows(full, split, compute)
+    if all(plain):
+        return upd.reshape(k, -1)
+    return torch.stack([u.reshape(-1) if p else lay.from_full(u) for p, lay, u in zip(plain, layouts, upd)])
 
 
 @dataclass
@@ -743,17 +760,11 @@ class Exchange:
                     row[lo:hi].copy_(g[lo - base: hi - base])
         return stack
 
-    def _compute(self, ms: list[int], stack: Tensor) -> list[Tensor]:
-        """Flat canonical-order updates of one stack of same (shape, config, split) matrices."""
+    def _compute(self, ms: list[int], stack: Tensor) -> Tensor:
+        """Flat canonical-order updates (one row each) of one stack of same (shape, config, split) matrices."""
         specs = [self.plan.specs[m] for m in ms]
-        shape, cfg, split = specs[0].shape, specs[0].cfg, specs[0].split
-        plain = [s.layout.plain for s in specs]
-        full = stack.view(len(ms), *shape)
-        if not all(plain):  # canonical order -> the matrix (column blocks put back, transposed), row by row
-            full = torch.stack([f if p else s.layout.to_full(r, shape)
-                                for f, p, s, r in zip(full, plain, specs, stack)])
-        upd = split_rows(full, split, lambda x: self.compute(x, cfg))
-        return [u.reshape(-1) if p else s.layout.from_full(u) for p, s, u in zip(plain, specs, upd)]
+        return update_canonical(stack, [s.layout for s in specs], specs[0].shape, specs[0].split,
+                                lambda x: self.compute(x, specs[0].cfg))
 
     def _finish_backward(self, work, recv: Tensor, segs: list[Segment], skip: set[int],
                          on_update: Callable[[int, Tensor], None]) -> None:
@@ -764,52 +775,6 @@ class Exchange:
             if m not in skip:
                 on_update(m, recv[offset: offset + hi - lo])
             offset += hi - lo
-
-
-class StepAgreement:
-    """What every rank must agree on before a step, reached from the same data so that all take the
-    same path: its configuration (a hash of every parameter's name, shape, dtype, rule and options,
-    identical on every rank), and per parameter the max over ranks of a code (0 no gradient,
-    1 finite, 2 non-finite).
-
-    The configuration and every rank's layout (a hash of its ranges) are gathered when some rank's
-    changed (the first step, re-sharding, ZeRO-3's alternating sub-groups); every other step costs
-    one ``all_reduce(MAX)`` of ``[changed, codes...]`` and one host sync.
-    """
-
-    def __init__(self) -> None:
-        self.agreed: tuple[int, int, int] | None = None  # this rank's (config, layout, count) last agreed
-        self.layouts: tuple[int, ...] = ()  # every rank's layout hash, as last agreed
-
-    def __call__(self, codes: Tensor, config_hash: int, layout_hash: int, group: dist.ProcessGroup | None,
-                 failed: bool = False) -> tuple[str, list[int] | None]:
-        """``codes``: int32, one per parameter, on the communication device; ``failed``: this rank could
-        not even list its pieces (it then still takes part, so that no peer hangs). Returns
-        ``("ok", max code per parameter)``, or ``("mismatch" | "failed", None)`` on every rank alike."""
-        mine = (config_hash, layout_hash, codes.numel())
-        if self.agreed is not None:
-            n = self.agreed[2]
-            body = codes[:n] if codes.numel() >= n else torch.cat([codes, codes.new_zeros(n - codes.numel())])
-            flags = torch.cat([codes.new_tensor([int(failed or mine != self.agreed)]), body])
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
-            out = flags.tolist()
-            if out[0] == 0:
-                return "ok", out[1:]
-        head = torch.tensor([config_hash, layout_hash, codes.numel(), int(failed)], dtype=torch.int64,
-                            device=codes.device)
-        heads = [torch.empty_like(head) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(heads, head, group=group)
-        table = torch.stack(heads).cpu()
-        if table[:, 3].any():
-            self.agreed = None
-            return "failed", None
-        if (table[:, 0] != table[0, 0]).any() or (table[:, 2] != table[0, 2]).any():
-            self.agreed = None
-            return "mismatch", None
-        self.agreed, self.layouts = mine, tuple(table[:, 1].tolist())
-        flags = codes.clone()
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
-        return "ok", flags.tolist()
 
 
 # Device types each backend runs all_to_all / all_gather on. gloo's all_to_all is CPU-only, so a

@@ -101,7 +101,7 @@ def _fsdp2_worker(rank, world, mode, hsdp=False):
         ref = _reference(_global_grads, opts, range(3))
         got = _full(model)
         err = max((got[n] - p.detach()).abs().max().item() for n, p in ref.named_parameters())
-        plan = None if opt._plan is None else [b.owners for b in opt._plan.plan.buckets]
+        plan = None if opt.exchange is None else [b.owners for b in opt.exchange.plan.buckets]
         out.append((err, plan, opt.whitened_matrices))
     return out
 

@@ -104,7 +104,7 @@ def _equal_worker(rank, world):
             out[orig, c] = dict(
                 err=_err(_full(model), _reference(_global_grads, opts, range(3))),
                 whitened=opt.whitened_matrices,
-                owners=[b.owners for b in opt._plan.plan.buckets],
+                owners=[b.owners for b in opt.exchange.plan.buckets],
                 state=_state_numel(opt),
                 rows={n: (list(s), r) for n, s, r, _ in opt._rows},
                 summary=opt.summary(),

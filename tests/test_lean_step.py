@@ -59,7 +59,7 @@ def test_reused_pieces_follow_new_gradients_replaced_tensors_and_dtypes():
         _step_fresh(ref, grads, **KW)
         for (n, p), q in zip(model.named_parameters(), ref.parameters()):
             assert torch.equal(p, q), (t, n)
-    assert len(opt._reuse) == len(list(model.parameters()))  # every piece was kept
+    assert len(opt._collector.reuse) == len(list(model.parameters()))  # every piece was kept
 
     # a parameter's storage replaced (p.data = ...), another's dtype changed: pieces made again
     old = model.a.weight.detach()
@@ -123,7 +123,7 @@ def test_kept_pieces_hold_no_gradient_after_the_step():
     opt.zero_grad(set_to_none=True)
     gc.collect()
     assert all(r() is None for r in refs)
-    assert all(hit[3].grad is None and hit[3].target_grad is None for hit in opt._reuse.values())
+    assert all(hit.piece.grad is None and hit.piece.target_grad is None for hit in opt._collector.reuse.values())
 
 
 class _HalfAdapter(Adapter):
@@ -158,23 +158,31 @@ def test_a_changed_adapter_registry_is_asked_again():
     opt.step()
 
 
-def test_config_and_layout_hashes_follow_options_and_pieces():
+def test_structure_and_layout_hashes_follow_options_and_pieces_not_scalars():
+    """The cached hashes equal fresh ones; a structure option (beta) changes the structure hash, a
+    scalar (lr) does not; a new piece object recomputes both (same values, same hashes)."""
+    from swan_dist.agreement import Hashes
+
     model = Net()
     opt = SWAN(model, verbose=False, **KW)
     for p in model.parameters():
         p.grad = torch.randn_like(p)
 
     def hashes():
-        entries = opt._entries(None)
-        pieces = [pc for _, pc in entries]
-        got = opt._hashes_of(entries, pieces)
-        assert got == (opt._config_hash(entries), opt._layout_hash(pieces))
-        opt._release(entries)
+        entries = opt._collector.collect(opt, None)
+        records, pieces = [e.record for e in entries], [e.piece for e in entries]
+        got = opt._hashes.structure(records, ("auto", 1.0)), opt._hashes.layout(pieces)
+        fresh = Hashes()
+        assert got == (fresh.structure(records, ("auto", 1.0)), fresh.layout(pieces))
+        opt._collector.release(entries)
         return got
 
     first = hashes()
     assert hashes() == first
-    next(g for g in opt.param_groups if g["use_swan"])["beta"] = 0.5
+    swan_group = next(g for g in opt.param_groups if g["use_swan"])
+    swan_group["lr"] = 0.5  # a scheduler's change: no new record, no new hash
+    assert hashes() == first
+    swan_group["beta"] = 0.5
     changed = hashes()
     assert changed[0] != first[0] and changed[1] == first[1]
     model.a.weight.data = torch.randn(8, 8)  # a new piece object: recomputed (same values)

@@ -123,7 +123,7 @@ def _tp_worker(rank, world, dp, ckpt=None):
     opt.step()
     finite = all(torch.isfinite(v).all().item() for v in _full(model).values())
     refused = _refused_worker_part(world) if dp == 1 else None
-    plan = [b.owners for b in opt._plan.plan.buckets]
+    plan = [b.owners for b in opt.exchange.plan.buckets]
     return dict(err=err, moved=moved, finite=finite, whitened=opt.whitened_matrices, plan=plan,
                 placements=_placements(model), refused=refused, summary=opt.summary())
 

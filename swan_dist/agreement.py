@@ -1,0 +1,229 @@
+"""What every rank must agree on before a step, reached from the same data so that all take the same
+collective path: the structure (every parameter's record: name, shape, layout, dtype, rule and the
+options that shape the computation), every rank's ranges, the scalar options a scheduler may change
+(``lr``, ``alpha``, ...), each parameter's gradient code, and whether some rank failed before the
+step could start. A disagreement raises the same error on every rank, naming the rank and the key.
+"""
+
+from __future__ import annotations
+
+import operator
+import zlib
+import warnings
+from collections import Counter, defaultdict
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .adapter import Piece
+from .rules import SCALAR_KEYS
+
+__all__ = ["StepAgreement", "Hashes", "grad_codes", "raise_rank_failure", "raise_structure_mismatch",
+           "raise_scalar_mismatch", "scalar_hash", "skipped"]
+
+_MASK = (1 << 30) - 1  # hashes travel in int32 tensors, negated too: keep them well inside its range
+
+
+class StepAgreement:
+    """Per step, one ``all_reduce(MAX)`` of ``[changed, s, -s, codes...]``: ``changed`` is set by a rank
+    whose structure or ranges differ from what was last agreed (the first step, re-sharding, ZeRO-3's
+    alternating sub-groups) or that failed; ``s`` is a hash of the scalar options (max of ``s`` and of
+    ``-s`` differ exactly when some rank's scalars differ); ``codes`` per parameter (0 no gradient,
+    1 finite, 2 non-finite) come back as their max over ranks. Where something changed, every rank's
+    ``[structure, layout, count, failed, scalars]`` is gathered once and the layouts kept.
+    """
+
+    def __init__(self) -> None:
+        self.agreed: tuple[int, int, int] | None = None  # this rank's (structure, layout, count) last agreed
+        self.layouts: tuple[int, ...] = ()  # every rank's layout hash, as last agreed
+
+    def __call__(self, codes: Tensor, structure: int, layout: int, scalars: int, group: dist.ProcessGroup | None,
+                 failed: bool = False) -> tuple[str, list[int] | None]:
+        """``codes``: int32, one per parameter, on the communication device. Returns ``("ok", max code per
+        parameter)``, or ``("failed" | "mismatch" | "scalars", None)`` on every rank alike."""
+        mine = (structure, layout, codes.numel())
+        scalars &= _MASK
+        if self.agreed is not None:
+            n = self.agreed[2]
+            body = codes[:n] if codes.numel() >= n else torch.cat([codes, codes.new_zeros(n - codes.numel())])
+            head = codes.new_tensor([int(failed or mine != self.agreed), scalars, -scalars])
+            flags = torch.cat([head, body])
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+            out = flags.tolist()
+            if out[0] == 0:
+                return ("ok", out[3:]) if out[1] == -out[2] else ("scalars", None)
+        head = torch.tensor([structure, layout, codes.numel(), int(failed), scalars], dtype=torch.int64,
+                            device=codes.device)
+        heads = [torch.empty_like(head) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(heads, head, group=group)
+        table = torch.stack(heads).cpu()
+        self.agreed = None
+        if table[:, 3].any():
+            return "failed", None
+        if (table[:, 0] != table[0, 0]).any() or (table[:, 2] != table[0, 2]).any():
+            return "mismatch", None
+        if (table[:, 4] != table[0, 4]).any():
+            return "scalars", None
+        self.agreed, self.layouts = mine, tuple(table[:, 1].tolist())
+        flags = codes.clone()
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+        return "ok", flags.tolist()
+
+
+def _crc(obj) -> int:
+    return zlib.crc32(repr(obj).encode()) & _MASK
+
+
+def scalar_rows(groups: Sequence[dict]) -> list[tuple]:
+    """Per param group, its scalar options as compared between ranks."""
+    return [tuple((k, repr(g.get(k))) for k in SCALAR_KEYS) for g in groups]
+
+
+def scalar_hash(groups: Sequence[dict]) -> int:
+    return _crc(scalar_rows(groups))
+
+
+class Hashes:
+    """The structure and layout hashes, recomputed only when the records or pieces are other objects
+    than last step's (records are immutable and cached; a reused piece is the same object)."""
+
+    def __init__(self) -> None:
+        self._structure: tuple | None = None
+        self._layout: tuple | None = None
+
+    def structure(self, records: list, extra: tuple) -> int:
+        last = self._structure
+        if last is not None and last[1] == extra and len(last[0]) == len(records) and all(
+                map(operator.is_, last[0], records)):
+            return last[2]
+        h = _crc([r.descriptor for r in records] + [extra])
+        self._structure = (records, extra, h)
+        return h
+
+    def layout(self, pieces: list[Piece]) -> int:
+        last = self._layout
+        if last is not None and len(last[0]) == len(pieces) and all(map(operator.is_, last[0], pieces)):
+            return last[1]
+        h = _crc([(pc.lo, pc.hi) for pc in pieces])
+        self._layout = (pieces, h)
+        return h
+
+    def clear(self) -> None:
+        """Forget the pieces (they hold gradient views until released)."""
+        self._layout = None
+
+
+def _gather(obj, group) -> list:
+    everyone: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, obj, group=group)
+    return everyone
+
+
+def raise_rank_failure(failure: BaseException | None, group) -> None:
+    """Every rank calls this together: the first failing rank's error, raised on all (the failing rank
+    raises its own exception; the others an error of the same kind where it is a ``ValueError`` or
+    ``TypeError``, a ``RuntimeError`` otherwise, naming the rank, the type and the message)."""
+    mine = None if failure is None else (type(failure).__name__, str(failure))
+    rank, (kind, msg) = next((r, f) for r, f in enumerate(_gather(mine, group)) if f is not None)
+    if failure is not None and rank == dist.get_rank(group):
+        raise failure
+    cls = {"TypeError": TypeError, "ValueError": ValueError, "FloatingPointError": FloatingPointError}.get(
+        kind, RuntimeError)
+    raise cls(f"swan_dist: on rank {rank}: {kind}: {msg}")
+
+
+def raise_structure_mismatch(descriptors: list[tuple], group) -> None:
+    """Every rank calls this together (same gathered descriptors) and raises the same error."""
+    everyone = _gather(descriptors, group)
+    ref = everyone[0]
+    for rank, desc in enumerate(everyone):
+        if len(desc) != len(ref):
+            raise ValueError(f"swan_dist: rank {rank} has {len(desc) - 1} parameters, rank 0 has {len(ref) - 1}")
+        for a, b in zip(ref, desc):
+            if a != b:
+                diff = [k for (k, va), (_, vb) in zip(a[4], b[4]) if va != vb] if len(a) == 5 and len(b) == 5 else []
+                what = f"key(s) {diff}" if diff else f"{a[1:4]} vs {b[1:4]}"
+                raise ValueError(
+                    f"swan_dist: optimizer config differs between rank 0 and rank {rank} for parameter "
+                    f"{a[0]!r} vs {b[0]!r}: {what}"
+                )
+    raise ValueError("swan_dist: optimizer config differs between ranks")
+
+
+def raise_scalar_mismatch(groups: Sequence[dict], group) -> None:
+    """Every rank calls this together: the first scalar option that differs from rank 0's, named."""
+    everyone = _gather(scalar_rows(groups), group)
+    ref = everyone[0]
+    for rank, rows in enumerate(everyone):
+        if len(rows) != len(ref):
+            raise ValueError(f"swan_dist: rank {rank} has {len(rows)} param groups, rank 0 has {len(ref)}")
+        for gi, (a, b) in enumerate(zip(ref, rows)):
+            for (key, va), (_, vb) in zip(a, b):
+                if va != vb:
+                    raise ValueError(
+                        f"swan_dist: {key!r} differs between rank 0 ({va}) and rank {rank} ({vb}) in param group "
+                        f"{gi}; every rank must set the same hyper-parameters (an lr scheduler stepped on every "
+                        "rank alike, the same config)")
+    raise ValueError("swan_dist: hyper-parameters differ between ranks")
+
+
+def skipped(entries: list, flags: list[int], counter: Counter) -> set[int]:
+    """The entries no rule touches this step, from the agreed codes (alike on every rank): non-finite
+    anywhere (``nonfinite="skip"`` warns, ``"raise"`` raises before anything is modified) or no
+    gradient anywhere; raises where local mode meets a sharded matrix."""
+    sharded = [entries[i].record.name for i, c in enumerate(flags) if c == 3]
+    if sharded:
+        raise ValueError(
+            f"swan_dist: {sharded[:4]} are sharded; mode='local' needs whole matrices on every rank "
+            "(use mode='owner' or 'replicated')"
+        )
+    bad = [i for i, c in enumerate(flags) if c == 2]
+    if bad:
+        names = [entries[i].record.name for i in bad]
+        if any(entries[i].group["nonfinite"] == "raise" for i in bad):
+            raise FloatingPointError(
+                f"SWAN: non-finite gradient in {names[:8]}{' ...' if len(names) > 8 else ''}; "
+                "no parameter was updated"
+            )
+        counter.update(names)
+        warnings.warn(f"SWAN: non-finite gradient, update skipped for {names[:8]}", RuntimeWarning)
+    return {i for i, c in enumerate(flags) if c != 1}
+
+
+# ------------------------------------------------------------------------------------ gradient codes
+def grad_codes(pieces: list[Piece], device: torch.device | None) -> Tensor:
+    """Per piece: 0 no local gradient, 1 finite, 2 NaN/Inf, as an int32 tensor on ``device`` (the
+    communication device; the CPU without one), computed without a device sync: one foreach reduction
+    per device and dtype (:func:`_finite`)."""
+    out = torch.zeros(len(pieces), dtype=torch.int32, device=device or "cpu")
+    by_kind: defaultdict = defaultdict(list)
+    for i, pc in enumerate(pieces):
+        g = pc.grad
+        if g is not None:
+            by_kind[(g.device, g.dtype, g.layout is torch.strided and g.numel() > 0)].append((i, g))
+    for (_, _, foreach), items in by_kind.items():
+        grads = [g for _, g in items]
+        # empty or sparse gradients: one check each
+        finite = _finite(grads) if foreach else torch.stack([g.isfinite().all() for g in grads])
+        codes = 2 - finite.to(out.device, torch.int32)
+        if len(items) == len(pieces):
+            return codes
+        out[torch.tensor([i for i, _ in items], device=out.device)] = codes
+    return out
+
+
+def _finite(grads: list[Tensor]) -> Tensor:
+    """Whether each gradient (strided, non-empty, all on one device with one dtype) is all finite, as a
+    bool tensor on that device. On an accelerator: one foreach max-abs reduction, which NaN and Inf
+    survive and finite values never overflow; no host sync. On the CPU (where max-abs reductions are
+    several times slower and a host read costs nothing): one foreach 2-norm, each norm that is not
+    finite (NaN/Inf, or finite entries beyond ~1e19 whose squares overflow) checked again exactly."""
+    if grads[0].device.type != "cpu":
+        return torch.stack(torch._foreach_norm(grads, float("inf"))).isfinite()
+    finite = torch.stack(torch._foreach_norm(grads, 2)).isfinite()
+    if not bool(finite.all()):
+        for j in (~finite).nonzero().flatten().tolist():
+            finite[j] = grads[j].isfinite().all()
+    return finite
