@@ -171,13 +171,25 @@ def count_collectives(fn) -> Counter:
     return calls
 
 
+def schedule(opt: torch.optim.Optimizer, steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """The reference trainer's schedule (``build_scheduler``: linear warm-up over 10 % of the steps, then
+    cosine to 10 %), so that every measured step runs at another lr, as in a real run."""
+    from swan_dist.reference.train import TrainConfig, build_scheduler
+
+    return build_scheduler(TrainConfig(steps=steps + 4, warmup_ratio=0.1, min_lr_ratio=0.1), opt)
+
+
 def measure(names, model, grads, steps, device, sync, barrier=lambda: None, collectives=False) -> list[dict]:
     """Every optimizer on the same parameters, stepped in turn (one step each per round, so that a load
-    change on the machine hits all alike); the median per optimizer, its host syncs and collectives."""
+    change on the machine hits all alike), each under the trainer's lr schedule (stepped after each
+    optimizer step, outside the timed region); the median per optimizer, its host syncs and collectives
+    (one scheduled step)."""
     opts = [make(name, model, grads) for name in names]
+    scheds = [schedule(opt, steps) for opt in opts]
     for _ in range(3):
-        for opt in opts:
+        for opt, sched in zip(opts, scheds):
             opt.step()  # warm-up: state, plan, caches
+            sched.step()
     times: list[list[float]] = [[] for _ in opts]
     for _ in range(steps):
         for k, opt in enumerate(opts):
@@ -187,9 +199,11 @@ def measure(names, model, grads, steps, device, sync, barrier=lambda: None, coll
             opt.step()
             sync()
             times[k].append(time.perf_counter() - t0)
+            scheds[k].step()
     rows = []
-    for name, opt, ts in zip(names, opts, times):
+    for name, opt, sched, ts in zip(names, opts, scheds, times):
         row = dict(name=name, t=statistics.median(ts), syncs=count_syncs(opt.step, device))
+        sched.step()
         if collectives:
             row["coll"] = count_collectives(opt.step)
         rows.append(row)
@@ -284,7 +298,8 @@ def main() -> None:
     setup = (f"{args.layers} layers x 7 `Linear({args.dim}, {args.dim}, bias=False)` ({n_matrices} matrices) + 2 "
              f"RMSNorms each, embedding, final norm, head: {n_tensors} tensors ({sum(g.numel() for g in grads) / 1e6:.2f}M "
              f"parameters). Device: {dev_name}, torch {torch.__version__}; `optimizer.step()` only, median of "
-             f"{args.steps} steps on fixed gradients, the optimizers stepped in turn")
+             f"{args.steps} steps on fixed gradients, the optimizers stepped in turn, each under the reference trainer's "
+             "lr schedule (linear warm-up, then cosine: a new lr at every step)")
     if multi:
         setup += (f" (W={args.world}: {args.world} processes, " + ("one GPU each, NCCL" if cuda else "1 thread each, gloo")
                   + ", the whole model on every rank as under DDP; the slowest rank's median)")
@@ -295,7 +310,9 @@ def main() -> None:
         f"`swan-none`: SWAN with `whitening=\"none\"` (GradNorm and rescale only, so the step is bookkeeping), "
         f"AdamW fallback for the {n_tensors - n_matrices} embedding/norm/head tensors; `+sign`: the stateless sign "
         "fallback; `@owner` / `@local`: the engine mode at W>1 (owner: each matrix's update computed on one rank "
-        "and sent to the other, two all_to_all; local: each rank computes what it holds, no exchange). Per tensor = "
+        "and sent to the other, two all_to_all; local: each rank computes what it holds, no exchange). Collectives: "
+        "one scheduled step after warm-up (a new lr: the plan is kept, the scalars agreed inside the one "
+        "all_reduce). Per tensor = "
         "step time / tensors; target: SWAN within 2x of AdamW (foreach).",
         "",
         "Host syncs: on CUDA what `torch.cuda.set_sync_debug_mode` reports (SWAN: one, the read of the agreed "
@@ -311,7 +328,7 @@ def main() -> None:
     text = "\n".join([setup, "", *lines, "", *notes])
     print(text)
     if not args.no_write:
-        write_section(f"lean-step-{device.type}", "Lean step: per-tensor overhead on many small matrices", text)
+        write_section(f"lean-step-{device.type}", f"Lean step ({device.type.upper()}): per-tensor overhead on many small matrices under an lr schedule", text)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ from __future__ import annotations
 import bisect
 import heapq
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Hashable, Sequence
 
 import torch
@@ -413,43 +413,63 @@ def _slowest(buckets: Sequence[Cells], costs: Sequence[float]) -> float:
     return sum(max(sum(costs[m] for m in cell) for cell in cells) for cells in buckets)
 
 
+@dataclass
+class _Cell:
+    """One owner's share of a bucket being filled."""
+
+    load: float = 0.0
+    used: int = 0  # bytes of full fp32 matrices; cell_bytes + 1 once a larger matrix sits alone in it
+    matrices: list[int] = field(default_factory=list)
+
+
+@dataclass
+class _Level:
+    """A bucket being filled: its highest cell, its bytes, its cells, and the ids of its cells by
+    (load, used) state (cells in the same state are interchangeable)."""
+
+    height: float
+    total: int
+    cells: list[_Cell]
+    states: dict[tuple[float, int], list[int]]
+
+
 def _fill_levels(ms: Sequence[int], costs: Sequence[float], nbytes: Sequence[int], world: int,
                  cell_bytes: int) -> list[Cells]:
     """Largest cost first, each matrix into the cell where it raises Σ over buckets of the bucket's
     highest cell least (not at all where it fits under that height), the least loaded such cell with
     byte room; a new bucket only where no cell has byte room. With one bucket this is LPT."""
     full = cell_bytes + 1  # the bytes of a cell holding one matrix above `cell_bytes`: it takes no more
-    buckets: list[list] = []  # [height, bytes, cells [[load, bytes, matrices]], {(load, bytes): cell ids}]
+    levels: list[_Level] = []
     for m in sorted(ms, key=lambda m: (-costs[m], -nbytes[m], m)):
         c, n = costs[m], nbytes[m]
         best = None
-        for k, (height, total, _, states) in enumerate(buckets):
-            if total + n > world * cell_bytes:
+        for k, level in enumerate(levels):
+            if level.total + n > world * cell_bytes:
                 continue
-            for load, used in states:
+            for load, used in level.states:
                 if (used + n > cell_bytes) if n <= cell_bytes else used:
                     continue
-                key = (max(0.0, load + c - height), load, k, -used)
+                key = (max(0.0, load + c - level.height), load, k, -used)
                 if best is None or key < best[0]:
                     best = (key, k, (load, used))
         if best is None:
-            buckets.append([0.0, 0, [[0.0, 0, []] for _ in range(world)], {(0.0, 0): list(range(world))}])
-            k, state = len(buckets) - 1, (0.0, 0)
+            levels.append(_Level(0.0, 0, [_Cell() for _ in range(world)], {(0.0, 0): list(range(world))}))
+            k, state = len(levels) - 1, (0.0, 0)
         else:
             _, k, state = best
-        b = buckets[k]
-        ids = b[3][state]
+        level = levels[k]
+        ids = level.states[state]
         cid = ids.pop(0)
         if not ids:
-            del b[3][state]
-        cell = b[2][cid]
-        cell[0] += c
-        cell[1] = cell[1] + n if n <= cell_bytes else full
-        cell[2].append(m)
-        b[0], b[1] = max(b[0], cell[0]), b[1] + n
-        ids = b[3].setdefault((cell[0], cell[1]), [])
+            del level.states[state]
+        cell = level.cells[cid]
+        cell.load += c
+        cell.used = cell.used + n if n <= cell_bytes else full
+        cell.matrices.append(m)
+        level.height, level.total = max(level.height, cell.load), level.total + n
+        ids = level.states.setdefault((cell.load, cell.used), [])
         ids.insert(bisect.bisect(ids, cid), cid)
-    return [[cell[2] for cell in b[2] if cell[2]] for b in buckets]
+    return [[cell.matrices for cell in level.cells if cell.matrices] for level in levels]
 
 
 def _consecutive(ms: Sequence[int], costs: Sequence[float], nbytes: Sequence[int], world: int,
