@@ -45,6 +45,23 @@ assert set(_BASE) | {"lr"} == OPTIMIZER_KEYS
 _MODES = ("auto", "owner", "replicated", "local")
 
 
+def _as_groups(params: Iterable[Any] | nn.Module, include: list[str], exclude: list[str]) -> list:
+    """torch's ``params`` argument as SWAN's groups: a module's parameters classified by module type and
+    name; bare tensors that no name reaches (alone, or in groups without names like the Trainer's
+    weight-decay groups) named through the framework that owns them, where one does (DeepSpeed building
+    the optimizer from its JSON's ``"type": "SWAN"``)."""
+    if isinstance(params, nn.Module):
+        return param_groups(params, include, exclude)
+    params = [{**g, "params": [g["params"]] if isinstance(g["params"], Tensor) else list(g["params"])}
+              if isinstance(g, dict) else g for g in params]
+    bare = [p for p in params if isinstance(p, Tensor)] + [
+        p for g in params if isinstance(g, dict) and not g.get("param_names") for p in g["params"]
+        if isinstance(p, Tensor)]
+    if bare and all(tagged_name(p) is None for p in bare) and (model := name_bare_params(bare)) is not None:
+        tag_model(model, include, exclude)
+    return params
+
+
 def _rank0() -> bool:
     return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
 
@@ -147,18 +164,7 @@ class SWAN(torch.optim.Optimizer):
         self._hashes = Hashes()
         self.nonfinite_skips: Counter[str] = Counter()
         self.whitened_matrices = 0  # matrices whitened so far (SWAN work done, for accounting)
-        if isinstance(params, nn.Module):
-            params = param_groups(params, self._include, self._exclude)
-        else:
-            params = [{**g, "params": [g["params"]] if isinstance(g["params"], Tensor) else list(g["params"])}
-                      if isinstance(g, dict) else g for g in params]
-            # bare tensors, alone or in groups without names (Trainer's weight-decay groups)
-            bare = [p for p in params if isinstance(p, Tensor)] + [
-                p for g in params if isinstance(g, dict) and not g.get("param_names") for p in g["params"]
-                if isinstance(p, Tensor)]
-            if bare and all(tagged_name(p) is None for p in bare) and (model := name_bare_params(bare)) is not None:
-                tag_model(model, self._include, self._exclude)  # e.g. built by DeepSpeed from "type": "SWAN"
-        super().__init__(params, defaults)
+        super().__init__(_as_groups(params, self._include, self._exclude), defaults)
         optimizer_built(self)
         warn_unnamed(self._rows, strict)
         if verbose and _rank0():
