@@ -62,6 +62,11 @@ def _as_groups(params: Iterable[Any] | nn.Module, include: list[str], exclude: l
     return params
 
 
+def _pair(betas: Any) -> Any:
+    """A list of two betas as the tuple torch's own optimizers keep (anything else is left to validation)."""
+    return tuple(betas) if isinstance(betas, list) else betas
+
+
 def _rank0() -> bool:
     return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
 
@@ -145,7 +150,7 @@ class SWAN(torch.optim.Optimizer):
         defaults.update({k: v for k, v in explicit.items() if v is not None})
         if "lr" not in defaults:
             raise ValueError("SWAN: lr is required when no preset is given")
-        defaults["betas"] = tuple(defaults["betas"])
+        defaults["betas"] = _pair(defaults["betas"])
         defaults["split_fused"] = split_fused
         check_group(defaults)
         if mode not in _MODES:
@@ -204,12 +209,16 @@ class SWAN(torch.optim.Optimizer):
         forced = group.pop("use_swan", None)
         for key, value in self.defaults.items():
             group.setdefault(key, value)
-        group["betas"] = tuple(group["betas"])
+        group["betas"] = _pair(group["betas"])
         check_group(group)
         split: dict[bool, tuple[list, list]] = {True: ([], []), False: ([], [])}
         for i, p in enumerate(raw):
             name = names[i] if names is not None else tagged_name(p)
             label = name if name is not None else f"<unnamed {len(self._rows)}>"
+            if p.is_complex():
+                raise ValueError(
+                    f"swan_dist: {label!r} is complex ({p.dtype}); SWAN and its fallback rules update real tensors: "
+                    "store it as a real parameter (torch.view_as_real) or give it to another optimizer")
             adapter = adapter_for(p)
             adapter.check(p, label)  # layouts no adapter supports are refused here, on every rank alike
             members = adapter.members(p, name)

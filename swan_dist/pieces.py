@@ -174,7 +174,13 @@ class Collector:
                     continue
                 rules = opt._packed.get(p)
                 adapter = adapter_for(p)
-                found = adapter.pieces(p, param_name(g, i, p), rules or (g["use_swan"],))
+                name = param_name(g, i, p)
+                if p.grad is not None and p.grad.layout is not torch.strided:
+                    raise ValueError(
+                        f"swan_dist: {name!r} has a {p.grad.layout} gradient; SWAN and its fallback rules take dense "
+                        "gradients: build the module with sparse=False (e.g. nn.Embedding(..., sparse=False)), or "
+                        "give that parameter to an optimizer for sparse gradients (torch.optim.SparseAdam)")
+                found = adapter.pieces(p, name, rules or (g["use_swan"],))
                 if rules is None:
                     rec = self.record(found[0], g, forms, opts)
                     entries.append(Entry(g, found[0], rec))
