@@ -21,7 +21,7 @@ from .adapter import Piece
 from .rules import SCALAR_KEYS
 
 __all__ = ["StepAgreement", "Hashes", "grad_codes", "raise_rank_failure", "raise_structure_mismatch",
-           "raise_scalar_mismatch", "scalar_hash", "skipped"]
+           "raise_scalar_mismatch", "scalar_hash", "skipped", "gather_names", "nonfinite_update"]
 
 _MASK = (1 << 30) - 1  # hashes travel in int32 tensors, negated too: keep them well inside its range
 
@@ -129,8 +129,8 @@ def raise_rank_failure(failure: BaseException | None, group) -> None:
     rank, (kind, msg) = next((r, f) for r, f in enumerate(_gather(mine, group)) if f is not None)
     if failure is not None and rank == dist.get_rank(group):
         raise failure
-    cls = {"TypeError": TypeError, "ValueError": ValueError, "FloatingPointError": FloatingPointError}.get(
-        kind, RuntimeError)
+    cls = {"TypeError": TypeError, "ValueError": ValueError, "FloatingPointError": FloatingPointError,
+           "OutOfMemoryError": torch.OutOfMemoryError}.get(kind, RuntimeError)
     raise cls(f"swan_dist: on rank {rank}: {kind}: {msg}")
 
 
@@ -190,6 +190,25 @@ def skipped(entries: list, flags: list[int], counter: Counter) -> set[int]:
         counter.update(names)
         warnings.warn(f"SWAN: non-finite gradient, update skipped for {names[:8]}", RuntimeWarning)
     return {i for i, c in enumerate(flags) if c != 1}
+
+
+def gather_names(names: list[str], group) -> list[str]:
+    """Every rank's names, in rank order, each once."""
+    return list(dict.fromkeys(n for ns in _gather(names, group) for n in ns))
+
+
+def nonfinite_update(entries: list, names: list[str], counter: Counter) -> None:
+    """SWAN matrices whose whitened update was not finite (made inside NS/NSDS, or owed by an owner that
+    failed): not applied on any rank; every rank raises ``FloatingPointError`` where one of them is in a
+    ``nonfinite="raise"`` group, else warns and counts them in ``counter``. The other parameters of the
+    step were updated."""
+    bad = set(names)
+    if any(e.group["nonfinite"] == "raise" for e in entries if e.record.name in bad):
+        raise FloatingPointError(
+            f"SWAN: non-finite whitened update for {names[:8]}{' ...' if len(names) > 8 else ''}; not applied to "
+            "them (the step's other parameters were updated)")
+    counter.update(names)
+    warnings.warn(f"SWAN: non-finite whitened update, not applied to {names[:8]}", RuntimeWarning)
 
 
 # ------------------------------------------------------------------------------------ gradient codes

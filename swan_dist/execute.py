@@ -13,12 +13,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .functional import swan_update
+from .functional import _compile_wanted, resolve_dtype, swan_update
 from .pieces import Entry
 from .routing import Exchange, MatrixSpec, build_plan, matrices_in, update_canonical
 from .rules import Pending, apply_stack
 
-__all__ = ["whiten_local", "Plans"]
+__all__ = ["whiten_local", "Plans", "engine_descriptor", "explain"]
 
 # Largest stack of same-shape gradients whitened in one batched call (bounds transient memory). On the
 # CPU, 16 MiB stacks of the `small` model's matrices whitened 15-25 % faster than 1 MiB ones (two threads,
@@ -39,15 +39,36 @@ _CPU_EXCHANGE_STACK_BYTES = 4 << 20
 _FLUSH_BYTES = 32 << 20
 
 
-def whiten_local(entries: Sequence[Entry]) -> int:
+def engine_descriptor(mode: str, bucket_mb: float, device: torch.device, records: Sequence) -> tuple:
+    """The engine's part of the structure every rank must agree on, shaped like a record's descriptor so
+    that a difference names its setting: mode, bucket bound, the exchange's device type, the whitening
+    dtypes ``auto`` resolves to there (decided per process: the CPU's bf16 support, ``SWAN_DIST_CPU_BF16``)
+    and whether ``torch.compile`` runs (``SWAN_DIST_COMPILE``, or a compile that failed on some rank)."""
+    dtypes = sorted({str(resolve_dtype(r.cfg, device)) for r in records if r.cfg is not None})
+    return ("<engine>", (), (), "", (("mode", repr(mode)), ("bucket_mb", repr(bucket_mb)),
+                                     ("device", device.type), ("whiten_dtype (resolved)", repr(dtypes)),
+                                     ("compile", repr(_compile_wanted(device)))))
+
+
+def explain(failure: BaseException | None, bucket_mb: float) -> BaseException | None:
+    """An owner's out-of-memory error, with what bounds the owner's memory and what to do."""
+    if not isinstance(failure, torch.OutOfMemoryError):
+        return failure
+    out = torch.OutOfMemoryError(
+        f"{failure}\nswan_dist: out of memory in the optimizer step. In owner mode each owner assembles up to "
+        f"bucket_mb={bucket_mb:g} MB of full fp32 matrices per bucket (a larger matrix alone) plus its whitening "
+        "workspace (an m x m Gram and iterate per matrix): pass a smaller SWAN(bucket_mb=...), e.g. half")
+    out.__cause__ = failure
+    return out
+
+
+def whiten_local(entries: Sequence[Entry], nonfinite: list[str]) -> int:
     """Every matrix whole on this rank: whiten here, batched over same shape and config, the updates
-    applied per stack with foreach kernels. Returns the number of matrices whitened."""
+    applied per stack with foreach kernels; a matrix whose update came out non-finite is not applied and
+    its name added to ``nonfinite``. Returns the number of matrices whitened."""
     batches: defaultdict = defaultdict(list)
     for e in entries:
-        g = e.piece.grad
-        if g.is_sparse:
-            raise RuntimeError(f"swan_dist: {e.record.name!r} has a sparse gradient, which SWAN cannot whiten")
-        r = e.record
+        g, r = e.piece.grad, e.record
         batches[(r.shape, g.dtype, g.device, r.cfg, r.split)].append(e)
     whitened = 0
     for (shape, _, device, cfg, split), chunk_all in batches.items():
@@ -58,10 +79,15 @@ def whiten_local(entries: Sequence[Entry]) -> int:
         for k in range(0, len(chunk_all), per):
             chunk = chunk_all[k: k + per]
             rows = torch.stack([e.piece.grad for e in chunk])
-            upd = update_canonical(rows, [e.record.layout for e in chunk], shape, split,
-                                   lambda x: swan_update(x, cfg)[0])
-            apply_stack([e.group for e in chunk], [e.piece.param for e in chunk], upd)
-            whitened += len(chunk) * matrices_in(shape, split)
+            upd, ok = update_canonical(rows, [e.record.layout for e in chunk], shape, split,
+                                       lambda x: swan_update(x, cfg))
+            if not bool(ok.all()):
+                keep = ok.tolist()
+                nonfinite += [e.record.name for e, good in zip(chunk, keep) if not good]
+                chunk, upd = [e for e, good in zip(chunk, keep) if good], upd[ok]
+            if chunk:
+                apply_stack([e.group for e in chunk], [e.piece.param for e in chunk], upd)
+            whitened += len(chunk_all[k: k + per]) * matrices_in(shape, split)
     return whitened
 
 
@@ -93,15 +119,23 @@ class Plans:
         self.built += 1
         return plan
 
-    def run(self, plan: Exchange, entries: Sequence[Entry], skip: set[int], device: torch.device) -> int:
+    def run(self, plan: Exchange, entries: Sequence[Entry], skip: set[int], device: torch.device,
+            nonfinite: list[str]) -> tuple[int, BaseException | None]:
         """Whiten the matrices of ``entries`` (but those at the indices in ``skip``) on their owners and
-        apply each update piece here. Returns the number of matrices this rank whitened."""
+        apply each update piece here; a piece that arrives non-finite (its owner's update was, or its owner
+        failed) is not applied and its name added to ``nonfinite``. Returns the number of matrices this
+        rank whitened and what failed here (every collective of the step was issued all the same)."""
         self.last = plan
-        pending = Pending(_CPU_PASS_BYTES if device.type == "cpu" else _FLUSH_BYTES)
+        pending = Pending(_CPU_PASS_BYTES if device.type == "cpu" else _FLUSH_BYTES, nonfinite)
 
         def on_update(m: int, u: Tensor) -> None:
-            pending.add(entries[m].group, entries[m].piece.param, u)
+            pending.add(entries[m].group, entries[m].piece.param, u, entries[m].record.name)
 
         whitened = plan.run([e.piece.grad for e in entries], skip, on_update)
-        pending.flush()
-        return whitened
+        failure = plan.failure
+        if failure is None:
+            try:
+                pending.flush()
+            except Exception as e:  # noqa: BLE001 - announced by the caller
+                failure = e
+        return whitened, failure

@@ -251,9 +251,9 @@ def _nsds_z(gram: Tensor, dg: Tensor, c: Tensor, steps: int, beta: float, d: Ten
     return z
 
 
-def _rescale_factor(u: Tensor) -> Tensor:
-    """``sqrt(m n) / ‖u‖_F`` per matrix, 0 for a zero matrix."""
-    return _recip(_norm(u, (-2, -1))) * math.sqrt(u.shape[-2] * u.shape[-1])
+def _rescale_factor(u: Tensor, norm: Tensor | None = None) -> Tensor:
+    """``sqrt(m n) / ‖u‖_F`` per matrix, 0 for a zero matrix (``norm``: ``‖u‖_F`` if already known)."""
+    return _recip(_norm(u, (-2, -1)) if norm is None else norm) * math.sqrt(u.shape[-2] * u.shape[-1])
 
 
 def _rescale(u: Tensor, dtype: torch.dtype) -> Tensor:
@@ -272,9 +272,11 @@ def swan_update(g: Tensor, cfg: WhitenConfig = WhitenConfig()) -> tuple[Tensor, 
     """The SWAN direction ΔW for a batch of gradients ``(..., out, in)`` in torch layout.
 
     Returns ``(update, finite)``: ``update`` in fp32 (fp64 if the iteration runs in fp64), with the
-    shape of ``g``; ``finite`` is a bool tensor of shape ``g.shape[:-2]`` telling which matrices had
-    an all-finite gradient. Matrices with a non-finite gradient get a zero update, so a NaN never
-    reaches the weights; what to do about them (skip, raise) is the caller's policy.
+    shape of ``g``; ``finite`` is a bool tensor of shape ``g.shape[:-2]`` telling which matrices had an
+    all-finite gradient *and* an all-finite update (the whitening's output is checked through the norm
+    the rescale computes anyway: a NaN/Inf made inside NS/NSDS makes it non-finite). The other matrices
+    get a zero update, so a NaN never reaches the weights; what to do about them (skip, raise) is the
+    caller's policy.
 
     Passes over the matrix besides the two GEMMs (Gram, final product): GradNorm's column norms (which
     also give ``finite``) and its multiply, written in the whitening dtype; the rescale's norm and its
@@ -324,14 +326,19 @@ def _swan_update(g: Tensor, cfg: WhitenConfig) -> tuple[Tensor, Tensor]:
     wdtype = resolve_dtype(cfg, g.device)
     out_dtype = torch.promote_types(wdtype, torch.float32)
     if cfg.grad_norm == "rms" and cfg.method != "none" and g.device.type == "cpu" and g.shape[-1] <= g.shape[-2]:
-        upd = _swan_update_gram_first(g, cfg, wdtype, out_dtype)
-        if upd is not None:
-            return upd, torch.ones(g.shape[:-2], dtype=torch.bool, device=g.device)
+        done = _swan_update_gram_first(g, cfg, wdtype, out_dtype)
+        if done is not None:
+            upd, ok = done
+            if not bool(ok.all()):
+                upd.masked_fill_(~ok, 0.0)
+            return upd, ok[..., 0, 0]
     x, finite = _grad_norm(g, cfg.grad_norm, wdtype)
     # whiten() works in the paper's orientation (rows = input dims): a square matrix takes the Gram
     # of its input side, as Alg. 2 with m <= n does; NSDS depends on that choice, NS does not.
     x = whiten(x.mT, cfg.method, cfg.steps, cfg.beta, prescale=cfg.grad_norm == "none").mT
-    upd = _rescale(x, out_dtype)
+    norm = _norm(x, (-2, -1))
+    upd = _scale_by(x, _rescale_factor(x, norm), out_dtype)
+    finite = finite & norm.isfinite()  # the gradient and the whitening's output
     if g.device.type != "cpu" or not bool(finite.all()):  # (no host sync off the CPU)
         upd.masked_fill_(~finite, 0.0)
     return upd, finite[..., 0, 0]
@@ -348,7 +355,8 @@ def _swan_update_gram_first(g: Tensor, cfg: WhitenConfig, wdtype: torch.dtype, o
 
     Returns None, for the general path to handle exactly, when some column's sum of squares is zero,
     non-finite (a NaN/Inf gradient) or outside [1e-30, 1e30] (where the Gram of the raw gradient
-    could lose precision or overflow). The check reads a host value, so this runs on the CPU only."""
+    could lose precision or overflow). The check reads a host value, so this runs on the CPU only.
+    Otherwise ``(update, finite)``, ``finite`` of shape ``(..., 1, 1)``: whether each update is finite."""
     xb = g.to(wdtype)
     a = xb.mT @ xb  # (..., in, in)
     sq = a.diagonal(dim1=-2, dim2=-1).to(out_dtype)
@@ -357,7 +365,8 @@ def _swan_update_gram_first(g: Tensor, cfg: WhitenConfig, wdtype: torch.dtype, o
     d = sq.rsqrt().mul_(math.sqrt(g.shape[-2]))  # GradNorm: each input index over its RMS
     z = _whitener(a, cfg.method, cfg.steps, cfg.beta, d)
     upd = torch.matmul(xb, z.mT).to(out_dtype)  # (X_paper)ᵀ in torch layout: g·(Z D)ᵀ; a new tensor
-    return upd.mul_(_rescale_factor(upd))  # the norm of the widened update, so no bf16-rounded scale
+    norm = _norm(upd, (-2, -1))  # of the widened update, so no bf16-rounded scale
+    return upd.mul_(_rescale_factor(upd, norm)), norm.isfinite()
 
 
 def whiten_flops(shape: tuple[int, int], cfg: WhitenConfig) -> float:

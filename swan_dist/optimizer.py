@@ -24,8 +24,8 @@ from torch import Tensor, nn
 
 from .adapter import Form, Member, adapter_for, name_bare_params, optimizer_built
 from .agreement import (Hashes, StepAgreement, grad_codes, raise_rank_failure, raise_scalar_mismatch,
-                        raise_structure_mismatch, scalar_hash, skipped)
-from .execute import Plans, whiten_local
+                        raise_structure_mismatch, scalar_hash, skipped, gather_names, nonfinite_update)
+from .execute import Plans, engine_descriptor, explain, whiten_local
 from .pieces import Collector, Entry, Origin
 from .presets import OPTIMIZER_KEYS, load_preset
 from .routing import comm_device
@@ -315,30 +315,58 @@ class SWAN(torch.optim.Optimizer):
 
     def _step(self, entries: list[Entry], failure: Exception | None, world: int, group) -> None:
         pieces = [e.piece for e in entries]
-        local = world == 1 or self._mode(world) == "local"
         device = self._comm_device(pieces) if world > 1 else None
+        flags, key = self._agree(entries, failure, world, group, device)
+        skip = skipped(entries, flags, self.nonfinite_skips)
+        if world == 1:
+            nonfinite: list[str] = []
+            late = self._update(entries, skip, key, world, group, device, nonfinite)
+            if late is not None:
+                raise late
+        else:  # any rank's late failure or non-finite update reaches every rank at one more all_reduce
+            nonfinite = []
+            try:
+                late = self._update(entries, skip, key, world, group, device, nonfinite)
+            except Exception as e:  # noqa: BLE001 - e.g. the fallback rule out of memory here only
+                late = e
+            status = torch.tensor([late is not None, bool(nonfinite)], dtype=torch.int32, device=device)
+            dist.all_reduce(status, op=dist.ReduceOp.MAX, group=group)
+            if status[0]:
+                raise_rank_failure(explain(late, self.bucket_mb), group)
+            if status[1]:
+                nonfinite = gather_names(nonfinite, group)
+        if nonfinite:
+            nonfinite_update(entries, nonfinite, self.nonfinite_skips)
+
+    def _agree(self, entries: list[Entry], failure: Exception | None, world: int, group,
+               device: torch.device | None) -> tuple[list[int], tuple | None]:
+        """The agreed gradient code per entry and the plan key (``None`` at W=1), or every rank raises."""
+        pieces = [e.piece for e in entries]
         codes = grad_codes(pieces, device)
-        if local:  # code 3: a SWAN matrix this rank holds only part of, which local mode cannot whiten
+        if world == 1 or self._mode(world) == "local":  # code 3: a SWAN matrix held only in part here
             part = [i for i, e in enumerate(entries) if e.record.use_swan and not e.piece.whole]
             if part:
                 codes[torch.tensor(part, device=codes.device)] = 3
-        key = None
-        if world > 1:
-            records = [e.record for e in entries]
-            structure = self._hashes.structure(records, (self.mode, self.bucket_mb))
-            status, flags = self._agreement(codes, structure, self._hashes.layout(pieces),
-                                            scalar_hash(self.param_groups), group, failure is not None)
-            if status == "failed":
-                raise_rank_failure(failure, group)
-            if status == "mismatch":
-                raise_structure_mismatch([r.descriptor for r in records] + [("<engine>", self.mode, self.bucket_mb)],
-                                         group)
-            if status == "scalars":
-                raise_scalar_mismatch(self.param_groups, group)
-            key = (structure, self._agreement.layouts)
-        else:
-            flags = codes.tolist()
-        skip = skipped(entries, flags, self.nonfinite_skips)
+        if world == 1:
+            return codes.tolist(), None
+        records = [e.record for e in entries]
+        engine = engine_descriptor(self.mode, self.bucket_mb, device, records)
+        structure = self._hashes.structure(records, engine)
+        status, flags = self._agreement(codes, structure, self._hashes.layout(pieces),
+                                        scalar_hash(self.param_groups), group, failure is not None)
+        if status == "failed":
+            raise_rank_failure(failure, group)
+        if status == "mismatch":
+            raise_structure_mismatch([r.descriptor for r in records] + [engine], group)
+        if status == "scalars":
+            raise_scalar_mismatch(self.param_groups, group)
+        return flags, (structure, self._agreement.layouts)
+
+    def _update(self, entries: list[Entry], skip: set[int], key: tuple | None, world: int, group,
+                device: torch.device | None, nonfinite: list[str]) -> BaseException | None:
+        """The fallback rules, then SWAN's matrices whitened and applied; returns what failed here at W > 1
+        (the fallback, or the exchange, whose collectives all ran regardless); names of matrices whose
+        update was not finite go to ``nonfinite``."""
         todo: dict[int, list] = defaultdict(list)  # fallback pieces per group, in group order
         swan: list[int] = []
         for i, e in enumerate(entries):
@@ -346,17 +374,28 @@ class SWAN(torch.optim.Optimizer):
                 swan.append(i)
             elif e.piece.target_grad is not None and i not in skip:
                 todo[id(e.group)].append(e.piece)
-        for g in self.param_groups:
-            if todo.get(id(g)):
-                run_fallback(self.state, g, todo[id(g)])
-        if local:
-            self.whitened_matrices += whiten_local([entries[i] for i in swan
-                                                    if i not in skip and pieces[i].grad is not None])
-        elif swan:  # the agreed structure covers the entries: every rank takes this branch or none does
-            mine = [entries[i] for i in swan]
-            plan = self._plans.get(key, mine, self._mode(world), self.bucket_mb, group, device)
-            local_skip = {m for m, i in enumerate(swan) if i in skip}
-            self.whitened_matrices += self._plans.run(plan, mine, local_skip, device)
+        failure = None
+        try:
+            for g in self.param_groups:
+                if todo.get(id(g)):
+                    run_fallback(self.state, g, todo[id(g)])
+        except Exception as e:  # noqa: BLE001 - announced after the exchange, whose collectives must still run
+            if world == 1:
+                raise
+            failure = e
+        if world == 1 or self._mode(world) == "local":
+            mine = [entries[i] for i in swan if i not in skip and entries[i].piece.grad is not None]
+            if failure is None:
+                self.whitened_matrices += whiten_local(mine, nonfinite)
+            return failure
+        if not swan:  # the agreed structure covers the entries: every rank returns here or none does
+            return failure
+        mine = [entries[i] for i in swan]
+        plan = self._plans.get(key, mine, self._mode(world), self.bucket_mb, group, device)
+        whitened, late = self._plans.run(plan, mine, {m for m, i in enumerate(swan) if i in skip}, device,
+                                         nonfinite)
+        self.whitened_matrices += whitened
+        return failure or late
 
     # ------------------------------------------------------------------ distributed bookkeeping
     @property

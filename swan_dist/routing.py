@@ -139,9 +139,10 @@ class MatrixSpec:
         return swan_cost(self)
 
 
-def swan_compute(stack: Tensor, cfg: WhitenConfig) -> Tensor:
-    """The default per-matrix computation: SWAN's update of a stack of same-shape gradients."""
-    return swan_update(stack, cfg)[0]
+def swan_compute(stack: Tensor, cfg: WhitenConfig) -> tuple[Tensor, Tensor]:
+    """The default per-matrix computation: SWAN's update of a stack of same-shape gradients, and which of
+    them came out finite."""
+    return swan_update(stack, cfg)
 
 
 def swan_cost(spec: MatrixSpec) -> float:
@@ -192,20 +193,32 @@ def split_rows(stack: Tensor, split: Sequence[int], compute: Callable[[Tensor], 
 
 
 def update_canonical(rows: Tensor, layouts: Sequence[Layout], shape: Sequence[int], split: Sequence[int],
-                     compute: Callable[[Tensor], Tensor]) -> Tensor:
+                     compute: Callable[[Tensor], tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
     """Updates of ``len(rows)`` same-shape matrices from their gradients, both as rows of flat elements in
     each matrix's canonical order (``layouts``): to the matrices (column blocks put back, transposed),
     ``compute`` over the stack (fused parts apart, :func:`split_rows`), back to canonical order. Row-major
-    matrices are views both ways. The one round trip of the local and the exchanged paths."""
+    matrices are views both ways. The one round trip of the local and the exchanged paths.
+
+    ``compute(stack)`` returns the updates and which matrices came out finite (``swan_update``). Returns
+    the rows of updates and a bool per row: whether all of that row's matrices (a stack's, a fused one's
+    parts) are finite; a row that is not is filled with NaN, the flag its holders skip it by."""
     k = rows.shape[0]
     plain = [lay.plain for lay in layouts]
     full = rows.view(k, *shape)
     if not all(plain):
         full = torch.stack([f if p else lay.to_full(r, shape) for f, p, lay, r in zip(full, plain, layouts, rows)])
-    upd = split_rows(full, split, compute)
-    if all(plain):
-        return upd.reshape(k, -1)
-    return torch.stack([u.reshape(-1) if p else lay.from_full(u) for p, lay, u in zip(plain, layouts, upd)])
+    oks: list[Tensor] = []
+
+    def part(x: Tensor) -> Tensor:
+        u, ok = compute(x)
+        oks.append(ok.reshape(k, -1).all(1))
+        return u
+
+    upd = split_rows(full, split, part)
+    ok = oks[0] if len(oks) == 1 else torch.stack(oks).all(0)
+    out = upd.reshape(k, -1) if all(plain) else torch.stack(
+        [u.reshape(-1) if p else lay.from_full(u) for p, lay, u in zip(plain, layouts, upd)])
+    return out.masked_fill_(~ok[:, None], float("nan")), ok
 
 
 @dataclass
@@ -585,8 +598,8 @@ class Exchange:
     ``grads[m]`` is this rank's flat gradient piece of matrix m (``hi - lo`` elements in the matrix's
     canonical order, on any device; ``None`` counts as zeros), ``skip`` the matrices nobody computes
     this step (decided identically on every rank). ``compute(stack, cfg)`` maps a stack of same-shape
-    full gradients to their updates (SWAN's by default; it must not write into ``stack``, which may be
-    a view of a local gradient). ``on_update(m, piece)`` receives this rank's flat piece of each
+    full gradients to their updates and which of them are finite (SWAN's by default; it must not write
+    into ``stack``, which may be a view of a local gradient); a non-finite update travels as NaN. ``on_update(m, piece)`` receives this rank's flat piece of each
     computed update, on ``device`` (the communication device); nothing writes into the pieces until
     :meth:`run` returns. Every rank issues the same collectives in the same order whatever its data.
 
@@ -609,12 +622,14 @@ class Exchange:
     """
 
     def __init__(self, plan: Plan, rank: int, group: dist.ProcessGroup | None, device: torch.device,
-                 dtypes: Sequence[torch.dtype], compute: Callable[[Tensor, Hashable], Tensor] = swan_compute,
+                 dtypes: Sequence[torch.dtype],
+                 compute: Callable[[Tensor, Hashable], tuple[Tensor, Tensor]] = swan_compute,
                  phase_bytes: int | None = PHASE_BYTES, max_phases: int = MAX_PHASES,
                  stack_bytes: int | None = None) -> None:
         self.plan, self.rank, self.group, self.device = plan, rank, group, device
         self.dtypes, self.compute = list(dtypes), compute
         self.bytes_sent = 0  # by this rank, both directions, since construction
+        self.failure: BaseException | None = None  # what failed here in the last run (see run)
         self._steps = [self._step(Bucket(ms, b.owners), stack_bytes)
                        for b in plan.buckets for ms in self._phases(b, phase_bytes, max_phases)]
 
@@ -712,9 +727,16 @@ class Exchange:
         return work, out
 
     def run(self, grads: Sequence[Tensor | None], skip: set[int], on_update: Callable[[int, Tensor], None]) -> int:
-        """One step; returns the number of matrices this rank whitened."""
+        """One step; returns the number of matrices this rank whitened.
+
+        An exception raised here while assembling, computing or handing back updates (an owner out of
+        memory, a failing ``on_update``) is kept in :attr:`failure`, not raised: this rank then computes
+        and hands back nothing more, fills what it owed its peers with NaN (the flag they skip those
+        updates by) and still issues every collective of the step, so that no peer waits for it; the
+        caller announces the failure to every rank."""
         plan, me = self.plan, self.rank
         my = plan.ranges[me]
+        self.failure: BaseException | None = None
 
         def grad_piece(m: int, lo: int, hi: int) -> Tensor:
             g = grads[m]
@@ -732,25 +754,8 @@ class Exchange:
         for k, st in enumerate(self._steps):
             work, recv = pending_fwd
             pending_fwd = start_forward(k + 1) if k + 1 < len(self._steps) else None
-            stacks = [(ms, self._own_part(st, ms, grads)) for ms in
-                      ([m for m in ms if m not in skip] for ms in st.stacks) if ms]  # while the gradients travel
-            if work is not None:
-                work.wait()
-            send = torch.empty(sum(st.bwd[0]), dtype=st.dtype, device=self.device)
-            for ms, stack in stacks:
-                for row, m in zip(stack, ms):  # the received rest
-                    for lo, hi, off in st.recv_at.get(m, ()):
-                        row[lo:hi].copy_(recv[off: off + hi - lo])
-                whitened += len(ms) * matrices_in(plan.specs[ms[0]].shape, plan.specs[ms[0]].split)
-                for m, u in zip(ms, self._compute(ms, stack)):
-                    lo, hi = my[m]
-                    if hi > lo:
-                        on_update(m, u[lo:hi])
-                    for lo, hi, off in st.send_at.get(m, ()):
-                        send[off: off + hi - lo].copy_(u[lo:hi])
-            for m in skip:  # skipped matrices keep their (zero-filled) place
-                for lo, hi, off in st.send_at.get(m, ()):
-                    send[off: off + hi - lo].zero_()
+            send, done = self._phase(st, work, recv, grads, skip, on_update)
+            whitened += done
             bwd = self._start(send, st.bwd, st.dtype, st.moves[1])
             if pending_bwd is not None:
                 self._finish_backward(*pending_bwd, skip, on_update)
@@ -758,6 +763,42 @@ class Exchange:
         if pending_bwd is not None:
             self._finish_backward(*pending_bwd, skip, on_update)
         return whitened
+
+    def _phase(self, st: _Step, work, recv: Tensor, grads: Sequence[Tensor | None], skip: set[int],
+               on_update: Callable[[int, Tensor], None]) -> tuple[Tensor, int]:
+        """One phase's computation on this rank: its stacks assembled (what it holds while the gradients
+        travel, then the received rest), computed, its own pieces handed to ``on_update`` and its peers'
+        written into the returned send buffer; and the number of matrices whitened."""
+        my, whitened, stacks = self.plan.ranges[self.rank], 0, []
+        try:
+            if self.failure is None:
+                stacks = [(ms, self._own_part(st, ms, grads)) for ms in
+                          ([m for m in ms if m not in skip] for ms in st.stacks) if ms]
+        except Exception as e:  # noqa: BLE001 - kept for the caller; the collectives go on
+            self.failure = e
+        if work is not None:
+            work.wait()
+        send = torch.empty(sum(st.bwd[0]), dtype=st.dtype, device=self.device)
+        try:
+            for ms, stack in stacks if self.failure is None else ():
+                for row, m in zip(stack, ms):  # the received rest
+                    for lo, hi, off in st.recv_at.get(m, ()):
+                        row[lo:hi].copy_(recv[off: off + hi - lo])
+                whitened += len(ms) * matrices_in(self.plan.specs[ms[0]].shape, self.plan.specs[ms[0]].split)
+                for m, u in zip(ms, self._compute(ms, stack)):
+                    lo, hi = my[m]
+                    if hi > lo:
+                        on_update(m, u[lo:hi])
+                    for lo, hi, off in st.send_at.get(m, ()):
+                        send[off: off + hi - lo].copy_(u[lo:hi])
+        except Exception as e:  # noqa: BLE001
+            self.failure = e
+        if self.failure is not None:
+            send.fill_(float("nan"))
+        for m in skip:  # skipped matrices keep their (zero-filled) place
+            for lo, hi, off in st.send_at.get(m, ()):
+                send[off: off + hi - lo].zero_()
+        return send, whitened
 
     def _own_part(self, st: _Step, ms: list[int], grads: Sequence[Tensor | None]) -> Tensor:
         """The stack ``(len(ms), numel)`` of the full fp32 gradients of ``ms`` in canonical order, with
@@ -781,20 +822,26 @@ class Exchange:
         return stack
 
     def _compute(self, ms: list[int], stack: Tensor) -> Tensor:
-        """Flat canonical-order updates (one row each) of one stack of same (shape, config, split) matrices."""
+        """Flat canonical-order updates (one row each) of one stack of same (shape, config, split) matrices;
+        a row that came out non-finite is NaN (:func:`update_canonical`)."""
         specs = [self.plan.specs[m] for m in ms]
         return update_canonical(stack, [s.layout for s in specs], specs[0].shape, specs[0].split,
-                                lambda x: self.compute(x, specs[0].cfg))
+                                lambda x: self.compute(x, specs[0].cfg))[0]
 
     def _finish_backward(self, work, recv: Tensor, segs: list[Segment], skip: set[int],
                          on_update: Callable[[int, Tensor], None]) -> None:
         if work is not None:
             work.wait()
+        if self.failure is not None:  # this rank hands back nothing more
+            return
         offset = 0
-        for m, lo, hi in segs:
-            if m not in skip:
-                on_update(m, recv[offset: offset + hi - lo])
-            offset += hi - lo
+        try:
+            for m, lo, hi in segs:
+                if m not in skip:
+                    on_update(m, recv[offset: offset + hi - lo])
+                offset += hi - lo
+        except Exception as e:  # noqa: BLE001 - kept for the caller
+            self.failure = e
 
 
 # Device types each backend runs all_to_all / all_gather on. gloo's all_to_all is CPU-only, so a
@@ -821,23 +868,17 @@ def served_devices(backend: str) -> tuple[str, ...]:
 
 
 def comm_device(backend: str, tensor_devices: Sequence[torch.device], current: dict[str, int] | None = None) -> torch.device:
-    """Where the exchange's buffers (and so the owners' math) live, from the group's real backend and
-    the devices the pieces are on: an accelerator the pieces use and the group serves first, then the
-    pieces' CPU if served, then the first accelerator the group serves (CPU-offloaded pieces under
-    NCCL move there and back). ``current``: the current index per available accelerator type; a rank
-    without pieces takes an available accelerator the group serves, as its peers would."""
+    """Where the exchange's buffers (and so the owners' math and the step's collectives) live, decided
+    from what every rank sees alike, so that all ranks use the same backend for the same collective: the
+    first accelerator type the group serves that is available here (``current``: the current index per
+    available accelerator type), at the index of this rank's pieces on it, else the current one
+    (CPU-offloaded pieces move there and back); otherwise the CPU where the group serves it."""
     served = served_devices(backend)
     current = current or {}
-    types = [d.type for d in tensor_devices]
-    if not types:  # nothing here (a rank that failed to list its pieces): the accelerator its peers use
-        return next((torch.device(t, current[t]) for t in served if t != "cpu" and t in current),
-                    torch.device("cpu") if "cpu" in served else torch.device(served[0], 0))
-    for d in tensor_devices:
-        if d.type != "cpu" and d.type in served:
-            return torch.device(d.type, d.index if d.index is not None else current.get(d.type, 0))
-    if "cpu" in served and (not types or "cpu" in types):
-        return torch.device("cpu")
     for t in served:
-        if t != "cpu":
-            return torch.device(t, current.get(t, 0))
-    return torch.device("cpu")
+        if t != "cpu" and t in current:
+            index = next((d.index for d in tensor_devices if d.type == t and d.index is not None), current[t])
+            return torch.device(t, index)
+    if "cpu" in served:
+        return torch.device("cpu")
+    return torch.device(served[0], 0)

@@ -207,29 +207,41 @@ def apply_stack(groups: list[dict], params: list[Tensor], rows: Tensor) -> None:
 
 
 class Pending:
-    """Updates handed back one matrix at a time, applied (as :func:`apply_one`) with foreach kernels per
+    """Updates handed back one piece at a time, applied (as :func:`apply_one`) with foreach kernels per
     (group, device, dtype) once ``limit`` bytes of them are held, and at :meth:`flush`. Each piece
-    receives one update per step, so the order is free."""
+    receives one update per step, so the order is free. A piece whose update is not finite (an owner
+    flags a non-finite update, or the ones it could not compute, with NaN) is not applied: its name goes
+    to ``nonfinite`` (one foreach norm and one host read per flush)."""
 
-    def __init__(self, limit: int) -> None:
-        self.limit, self.held = limit, 0
-        self.sets: dict[tuple, tuple[dict, list[Tensor], list[Tensor]]] = {}
+    def __init__(self, limit: int, nonfinite: list[str]) -> None:
+        self.limit, self.held, self.nonfinite = limit, 0, nonfinite
+        self.sets: dict[tuple, tuple[dict, list[Tensor], list[Tensor], list[str]]] = {}
 
-    def add(self, group: dict, param: Tensor, u: Tensor) -> None:
+    def add(self, group: dict, param: Tensor, u: Tensor, name: str) -> None:
         dev, dt = param.device, param.dtype
         if u.dtype != dt or u.device != dev:
             u = u.to(dev, dt)
         found = self.sets.get((id(group), dev, dt))
         if found is None:
-            found = self.sets[(id(group), dev, dt)] = (group, [], [])
+            found = self.sets[(id(group), dev, dt)] = (group, [], [], [])
         found[1].append(param)
         found[2].append(u)
+        found[3].append(name)
         self.held += u.numel() * u.element_size()
         if self.held >= self.limit:
             self.flush()
 
     def flush(self) -> None:
-        for group, params, updates in self.sets.values():
-            apply_many(group, params, updates)
+        for group, params, updates, names in self.sets.values():
+            sized = [j for j, u in enumerate(updates) if u.numel()]
+            if sized:
+                norms = torch.stack(torch._foreach_norm([updates[j] for j in sized], 2))
+                if not bool(norms.isfinite().all()):
+                    bad = {sized[j] for j in (~norms.isfinite()).nonzero().flatten().tolist()}
+                    self.nonfinite += [names[j] for j in sorted(bad)]
+                    params = [p for j, p in enumerate(params) if j not in bad]
+                    updates = [u for j, u in enumerate(updates) if j not in bad]
+            if params:
+                apply_many(group, params, updates)
         self.sets.clear()
         self.held = 0

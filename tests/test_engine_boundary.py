@@ -27,10 +27,10 @@ CPU, CUDA0, CUDA1 = torch.device("cpu"), torch.device("cuda", 0), torch.device("
     ("nccl", [CUDA1], CUDA1),
     ("nccl", [CPU], torch.device("cuda", 3)),  # CPU-offloaded pieces under NCCL move to the current GPU
     ("nccl", [CPU, CUDA0], CUDA0),
-    ("cuda:nccl,cpu:gloo", [CPU], CPU),  # init_process_group() with CUDA available
+    ("cuda:nccl,cpu:gloo", [CPU], torch.device("cuda", 3)),  # one answer whatever a rank's placement
     ("cpu:gloo,cuda:nccl", [CUDA1], CUDA1),
     ("cuda:nccl,cpu:gloo", [], torch.device("cuda", 3)),  # no pieces here: the GPU its peers use
-    ("undefined", [CPU], CPU),  # lazy init: torch's default backend per device
+    ("undefined", [CPU], torch.device("cuda", 3)),  # lazy init: torch's default backend per device
     ("undefined", [CUDA0], CUDA0),
     ("ucc", [CUDA1], CUDA1),
     ("mpi", [CUDA1], CPU),
@@ -42,6 +42,7 @@ def test_comm_device_follows_the_backend_for_the_pieces_devices(backend, pieces,
 def test_comm_device_without_pieces_or_accelerator():
     assert comm_device("cuda:nccl,cpu:gloo", []) == CPU  # no CUDA on this machine
     assert comm_device("gloo", [], {"cuda": 0}) == CPU
+    assert comm_device("undefined", [CPU]) == CPU  # no accelerator available here
 
 
 def test_backend_strings():
@@ -131,12 +132,14 @@ def _agreement_worker(rank, world):
     return per_step, late
 
 
-def test_agreement_costs_one_all_reduce_per_step_and_still_catches_a_late_change():
+def test_steady_step_costs_two_all_reduces_and_still_catches_a_late_change():
+    """The agreement's all_reduce before the step and the status all_reduce after it (a late failure or a
+    non-finite update on any rank); nothing else once the plan exists."""
     res = run_distributed(_agreement_worker, 2)
     for per_step, late in res:
         assert per_step[0]["all_gather"] == 1 and per_step[0]["all_gather_object"] == 1  # agreement, then the plan
         for s in per_step[1:]:
-            assert s == {"all_reduce": 1, "all_gather": 0, "all_gather_object": 0}, per_step
+            assert s == {"all_reduce": 2, "all_gather": 0, "all_gather_object": 0}, per_step
         assert late is not None and "'beta'" in late and "rank 1" in late, late
 
 
