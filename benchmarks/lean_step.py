@@ -311,8 +311,8 @@ def main() -> None:
         f"AdamW fallback for the {n_tensors - n_matrices} embedding/norm/head tensors; `+sign`: the stateless sign "
         "fallback; `@owner` / `@local`: the engine mode at W>1 (owner: each matrix's update computed on one rank "
         "and sent to the other, two all_to_all; local: each rank computes what it holds, no exchange). Collectives: "
-        "one scheduled step after warm-up (a new lr: the plan is kept, the scalars agreed inside the one "
-        "all_reduce). Per tensor = "
+        "one scheduled step after warm-up (a new lr: the plan is kept; one all_reduce agrees on codes, structure and "
+        "scalars, one ends the step with every rank's status). Per tensor = "
         "step time / tensors; target: SWAN within 2x of AdamW (foreach).",
         "",
         "Host syncs: on CUDA what `torch.cuda.set_sync_debug_mode` reports (SWAN: one, the read of the agreed "

@@ -168,3 +168,30 @@ def test_one_rank_fault_is_every_ranks_error(kind, world):
         owned = sorted(n for n, o in nan["owners"].items() if o == last)
         assert nan["err"] is None and owned and nan["warned"], (kind, rank, nan)
         assert set(nan["skips"]) == set(owned), (kind, rank, nan["skips"], owned)
+
+
+def _decision_worker(rank, world, env_key):
+    import os
+
+    if rank == world - 1:  # this process would decide otherwise: bf16 whitening (CPU detection), or compile
+        os.environ[env_key] = "1" if env_key == "SWAN_DIST_CPU_BF16" else "0"
+    else:
+        os.environ[env_key] = "0" if env_key == "SWAN_DIST_CPU_BF16" else "1"
+    model, wrapped = _wrap("ddp", world)
+    opt = SWAN(model, preset="swan_ddagger", lr=0.01, verbose=False)
+    _backward(wrapped, rank, 0)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    try:
+        opt.step()
+        return None, True
+    except ValueError as e:
+        return str(e), all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+
+@pytest.mark.parametrize("env_key, setting", [("SWAN_DIST_CPU_BF16", "whiten_dtype (resolved)"),
+                                              ("SWAN_DIST_COMPILE", "compile")])
+def test_a_per_process_decision_that_differs_raises_on_every_rank(env_key, setting):
+    """whiten_dtype="auto" and the compile choice are decided per process; replicas that decided apart
+    would drift silently: every rank raises before anything changes, naming the setting."""
+    for err, unchanged in run_distributed(_decision_worker, 2, env_key, timeout=120):
+        assert err is not None and setting in err and unchanged, err
