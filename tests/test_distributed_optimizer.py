@@ -135,22 +135,42 @@ def test_fsdp2_replicated_mode_equals_owner_mode():
         assert sum(r[c][2] for r in res) == 3 * 3 * 4  # every rank whitens every matrix
 
 
+def _batches(step: int, world: int) -> torch.Tensor:
+    """Each rank's micro-batch of tokens at ``step``, stacked: (world, 3, 5)."""
+    return torch.randint(0, 11, (world, 3, 5), generator=torch.Generator().manual_seed(500 + step))
+
+
+def _loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return model(x).float().pow(2).mean()
+
+
 def _ddp_worker(rank, world, mode):
+    """DDP's reducer makes the gradients (each rank its own micro-batch, averaged by DDP); the reference
+    is one process on the whole batch, whose mean loss has the same gradient."""
     torch.manual_seed(0)
     model = nn.parallel.DistributedDataParallel(Net())
+    init = [p.detach().clone() for p in model.module.parameters()]
     opt = SWAN(model.module, verbose=False, mode=mode, preset="swan_ddagger", lr=0.05)
+    torch.manual_seed(0)
+    ref = Net()
+    ref_opt = SWAN(ref, verbose=False, mode="local", preset="swan_ddagger", lr=0.05)
     for t in range(3):
-        _set_grads(model.module, _global_grads(model.module, t))
+        batches = _batches(t, world)
+        opt.zero_grad()
+        _loss(model, batches[rank]).backward()
         opt.step()
-    ref = _reference(_global_grads, dict(preset="swan_ddagger", lr=0.05), range(3))
+        ref_opt.zero_grad()
+        _loss(ref, batches.reshape(-1, 5)).backward()
+        ref_opt.step()
     err = max((p.detach() - q.detach()).abs().max().item() for p, q in zip(model.module.parameters(), ref.parameters()))
-    return err, opt.whitened_matrices
+    moved = min((p.detach() - q).abs().max().item() for p, q in zip(model.module.parameters(), init))
+    return err, opt.whitened_matrices, moved
 
 
 @pytest.mark.parametrize("mode", ["owner", "replicated", "local"])
 def test_ddp_modes_equal_single_process(mode):
     res = run_distributed(_ddp_worker, 2, mode)
-    assert max(r[0] for r in res) < 2e-5, res
+    assert max(r[0] for r in res) < 2e-5 and min(r[2] for r in res) > 1e-3, res
     assert sum(r[1] for r in res) == (3 * 4 if mode == "owner" else 2 * 3 * 4)
 
 
