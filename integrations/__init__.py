@@ -5,6 +5,10 @@ logical parameters they stand for, this rank's piece of each, and its framework'
 of optimizer state. ``ADAPTERS`` is the one place they are registered; the first that claims a
 tensor answers for it, so the catch-all replicated adapter comes last. docs/engine.md shows how to
 add one.
+
+``import swan_dist`` imports this registry, so an adapter module imports no framework at module level:
+it reaches its framework through ``sys.modules`` (a framework's tensors exist only once it is imported)
+or imports inside the functions that need it (tests/test_imports.py checks this).
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from swan_dist.adapter import Adapter, Piece, StateSlot, tensor_piece
+from swan_dist.adapter import Adapter, Piece, StateSlot, flat_piece, tensor_piece
 
 # Where DeepSpeed's wrappers keep their fp32 master weights (ZeRO-1/2, ZeRO-3, bf16, fp16).
 _MASTER_ATTRS = ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat", "fp32_groups_flat_partition",
@@ -84,7 +84,7 @@ def replaced_pieces(originals: list[tuple[str, Tensor]], params: list[Tensor], u
     (One-to-one fp32 copies, bf16 without ZeRO, are adopted like any same-shape replacement.)
     """
     zero3 = any(hasattr(p, "ds_id") for _, p in originals)
-    if not zero3 and not any(hasattr(p, "_hp_mapping") for _, p in originals):
+    if not zero3 and not any(_hp_linked(p) for _, p in originals):
         return None
     if not params:
         return [] if zero3 else None
@@ -102,13 +102,6 @@ def _partition(flat: Tensor, zero3: bool) -> bool:
     if type(flat) not in (Tensor, nn.Parameter) or flat.dim() != 1:
         return False
     return not zero3 or "_" in str(getattr(flat, "ds_id", ""))
-
-
-def _piece(name: str, shape, lo: int, flat: Tensor, start: int, n: int) -> Piece:
-    """Elements ``[lo, lo + n)`` of a parameter of ``shape``, at ``start`` in the flat partition."""
-    view = flat.narrow(0, start, n)
-    grad = None if flat.grad is None else flat.grad.narrow(0, start, n)
-    return Piece(name, tuple(shape), lo, lo + n, view, grad, view, grad, StateSlot(flat))
 
 
 def zero3_pieces(originals: list[tuple[str, Tensor]], flat: Tensor, group) -> list[Piece]:
@@ -143,7 +136,7 @@ def zero3_pieces(originals: list[tuple[str, Tensor]], flat: Tensor, group) -> li
             )
         lo = (dist.get_rank(pg) if world > 1 else 0) * size
         n = max(0, min(size, p.ds_numel - lo))
-        out.append(_piece(name, p.ds_shape, lo, flat, offset, n))
+        out.append(flat_piece(name, p.ds_shape, lo, flat, offset, n))
         offset += size
     return out
 
@@ -152,19 +145,30 @@ def partition_pieces(originals: list[tuple[str, Tensor]], flat: Tensor) -> list[
     """This rank's piece of each original parameter inside the flat fp32 partition ``flat``."""
     out = []
     for name, lp in originals:
-        mapping = getattr(lp, "_hp_mapping", "missing")
-        if mapping == "missing":
+        if not _hp_linked(lp):
             raise ValueError(
                 f"swan_dist: parameter {name!r} was replaced by a flat partition but carries no DeepSpeed "
                 "_hp_mapping; this framework layout is not supported"
             )
-        shape = tuple(getattr(lp, "ds_shape", lp.shape))
-        if mapping is None:
-            out.append(_piece(name, shape, 0, flat, 0, 0))
-            continue
-        lo, n = mapping.lp_fragment_address.start, mapping.lp_fragment_address.numel
-        out.append(_piece(name, shape, lo, flat, mapping.hp_fragment_address.start, n))
+        lo, start, n = _hp_fragment(lp)
+        out.append(flat_piece(name, getattr(lp, "ds_shape", lp.shape), lo, flat, start, n))
     return out
+
+
+def _hp_linked(p: Tensor) -> bool:
+    """Whether ``p`` carries DeepSpeed's link to its part of a flat fp32 partition (ZeRO-1/2, bf16): the
+    private attribute ``_hp_mapping``, read only here and in :func:`_hp_fragment`."""
+    return hasattr(p, "_hp_mapping")
+
+
+def _hp_fragment(lp: Tensor) -> tuple[int, int, int]:
+    """(start in the flattened ``lp``, start in the flat partition, numel) of this rank's contiguous part of
+    the low-precision parameter ``lp``, from DeepSpeed's private ``lp._hp_mapping``; ``(0, 0, 0)`` where this
+    rank holds none of it (the mapping is ``None``)."""
+    mapping = lp._hp_mapping
+    if mapping is None:
+        return 0, 0, 0
+    return mapping.lp_fragment_address.start, mapping.hp_fragment_address.start, mapping.lp_fragment_address.numel
 
 
 class DeepSpeedAdapter(Adapter):

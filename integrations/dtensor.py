@@ -19,14 +19,14 @@ Gradients must carry the parameter's placements.
 
 from __future__ import annotations
 
+import importlib
 import itertools
 import math
-from functools import lru_cache
+import sys
+from functools import cache, lru_cache
 
+import torch
 from torch import Tensor
-from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
-from torch.distributed.tensor.placement_types import _StridedShard
 
 from swan_dist.adapter import Adapter, Piece, tensor_piece
 from swan_dist.routing import Layout
@@ -34,15 +34,56 @@ from swan_dist.routing import Layout
 Box = tuple[tuple[int, int], ...]  # (start, stop) per dim
 
 
+def _is_dtensor(tensor: object) -> bool:
+    """Whether ``tensor`` is a DTensor. A DTensor exists only once ``torch.distributed.tensor`` is imported, so
+    this imports nothing: ``import swan_dist`` leaves DTensor's modules (and its private ones) unloaded."""
+    dt = sys.modules.get("torch.distributed.tensor")
+    return dt is not None and isinstance(tensor, dt.DTensor)
+
+
+@cache
+def _private(module: str, name: str):
+    """torch's private ``module.name``, imported on first use: DTensor offers no public way to compute a
+    shard's box nor to name the strided placement, and a private name may move in any torch release. An
+    upgrade that moves it fails here, naming the torch version and what is missing."""
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise ImportError(f"swan_dist: torch {torch.__version__} has no {module}.{name}, which swan_dist's DTensor "
+                          "adapter needs (FSDP2, tensor parallelism); pin torch to a version swan_dist supports") from e
+
+
+def _strided_shard() -> type:
+    """torch's private ``_StridedShard`` placement (``fully_shard`` over a tensor-parallel ``Shard``)."""
+    return _private("torch.distributed.tensor.placement_types", "_StridedShard")
+
+
+def _local_shape_and_offset(shape: tuple[int, ...], mesh_shape: tuple[int, ...], coord: list[int],
+                            placements: tuple) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(local shape, global offset) of the shard at mesh coordinate ``coord``: torch's own computation, the
+    private ``_compute_local_shape_and_global_offset``, because every rank needs every coordinate's box and
+    the variant that takes a ``DeviceMesh`` answers for this rank's coordinate only."""
+    compute = _private("torch.distributed.tensor._utils", "_compute_local_shape_and_global_offset")
+    try:
+        return compute(shape, mesh_shape, coord, placements)
+    except TypeError as e:
+        raise RuntimeError(f"swan_dist: torch {torch.__version__}'s torch.distributed.tensor._utils."
+                           "_compute_local_shape_and_global_offset(global_shape, mesh_shape, my_coordinate, "
+                           f"placements) failed ({e}): its signature may have changed in this version; pin "
+                           "torch to a version swan_dist supports") from e
+
+
 @lru_cache(maxsize=4096)
 def _grid(shape: tuple[int, ...], mesh_shape: tuple[int, ...], placements: tuple) -> tuple[Layout, dict] | str:
     """(layout, {mesh coordinate: canonical range}) of a DTensor layout, or why it is refused."""
+    from torch.distributed.tensor import Replicate, Shard
+
     for pl in placements:
-        if not isinstance(pl, (Shard, _StridedShard, Replicate)):
+        if not isinstance(pl, (Shard, _strided_shard(), Replicate)):
             return f"placement {pl} is not supported (only Shard, _StridedShard and Replicate)"
     boxes: dict[tuple[int, ...], Box] = {}
     for coord in itertools.product(*(range(n) for n in mesh_shape)):
-        size, start = _compute_local_shape_and_global_offset(shape, mesh_shape, list(coord), placements)
+        size, start = _local_shape_and_offset(shape, mesh_shape, list(coord), placements)
         boxes[coord] = tuple((int(a), int(a) + int(s)) for a, s in zip(start, size))
     full = [b for b in boxes.values() if all(hi > lo for lo, hi in b)]
     # a grid: per dim the distinct index ranges partition [0, n), and every combination is some box
@@ -71,9 +112,9 @@ class DTensorAdapter(Adapter):
     name = "dtensor"
 
     def claims(self, tensor: Tensor) -> bool:
-        return isinstance(tensor, DTensor)
+        return _is_dtensor(tensor)
 
-    def _grid(self, p: DTensor, name: str) -> tuple[Layout, dict]:
+    def _grid(self, p: Tensor, name: str) -> tuple[Layout, dict]:
         found = _grid(tuple(p.shape), tuple(p.device_mesh.shape), tuple(p.placements))
         if isinstance(found, str):
             raise ValueError(
@@ -89,7 +130,7 @@ class DTensorAdapter(Adapter):
     def local(self, tensor: Tensor) -> Tensor:
         # Shard / Replicate only (checked above; a gradient carries the parameter's placements): an
         # elementwise update of the local shard is the update of those elements of the whole tensor
-        return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        return tensor.to_local() if _is_dtensor(tensor) else tensor
 
     def pieces(self, tensor: Tensor, name: str, rules: tuple[bool, ...]) -> list[Piece]:
         layout, ranges = self._grid(tensor, name)
@@ -100,7 +141,7 @@ class DTensorAdapter(Adapter):
             raise ValueError(f"swan_dist: parameter {name!r} holds {local.numel()} local elements, its placements say "
                              f"{hi - lo}")
         grad = tensor.grad
-        if isinstance(grad, DTensor):
+        if _is_dtensor(grad):
             if grad.placements != tensor.placements:
                 raise ValueError(f"swan_dist: the gradient of {name!r} has placements {grad.placements}, the parameter "
                                  f"{tensor.placements}; reduce it to the parameter's placements before step()")

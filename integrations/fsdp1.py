@@ -39,7 +39,7 @@ from typing import Sequence
 import torch
 from torch import Tensor, nn
 
-from swan_dist.adapter import Adapter, Member, Piece, StateSlot, tensor_piece
+from swan_dist.adapter import Adapter, Member, Piece, StateSlot, flat_piece, tensor_piece
 from swan_dist.selection import clean_name
 
 SHAPE = "_swan_shape"  # on an original parameter (use_orig_params=True): its full shape
@@ -47,6 +47,18 @@ RANGE = "_swan_range"  # ... and the range [lo, hi) of its flattened form this r
 ORIGINALS = "_swan_originals"  # on a FlatParameter (use_orig_params=False): its Original records
 FLAT = "_swan_flat"  # on an original parameter (use_orig_params=True): its FlatParameter
 STEPS = "step_per_original"  # in checkpoints (use_orig_params=False): AdamW step count per fallback original
+
+
+def _is_flat_param(tensor: Tensor) -> bool:
+    """An FSDP1 ``FlatParameter``, told by FSDP1's private flag ``_is_flat_param`` (which its own
+    ``isinstance`` check reads) so that claiming a tensor imports no FSDP module."""
+    return getattr(tensor, "_is_flat_param", False)
+
+
+def _is_fsdp_flattened(tensor: Tensor) -> bool:
+    """A tensor FSDP1 manages (a FlatParameter, or an original parameter under ``use_orig_params=True``),
+    told by FSDP1's private flag ``_fsdp_flattened``."""
+    return getattr(tensor, "_fsdp_flattened", False)
 
 
 @dataclass
@@ -89,11 +101,10 @@ def register(model: nn.Module) -> int:
             seen.add(id(handle.flat_param))
             count += _register_flat(handle.flat_param, prefix)
     for name, p in model.named_parameters():
-        if getattr(p, "_is_flat_param", False) and id(p) not in seen:  # the unit wrapping `model` (or a module in it)
+        if _is_flat_param(p) and id(p) not in seen:  # the unit wrapping `model` (or a module in it)
             seen.add(id(p))
             count += _register_flat(p, name.rpartition(".")[0])
-    loose = [p for p in model.parameters() if getattr(p, "_fsdp_flattened", False)
-             and not getattr(p, "_is_flat_param", False) and not hasattr(p, RANGE)]
+    loose = [p for p in model.parameters() if _is_fsdp_flattened(p) and not _is_flat_param(p) and not hasattr(p, RANGE)]
     if loose:
         for flat in _enclosing_flats(loose):
             if id(flat) not in seen:
@@ -116,7 +127,7 @@ def outside_flats(model: nn.Module) -> list[tuple[str, Tensor]]:
         for value in vars(m).values():
             if isinstance(value, Tensor) and not isinstance(value, nn.Parameter):
                 base = value._base
-                if (base is not None and getattr(base, "_is_flat_param", False) and base._params is None
+                if (base is not None and _is_flat_param(base) and base._params is None
                         and id(base) not in inside):
                     found.setdefault(id(base), base)
     out = []
@@ -149,7 +160,7 @@ def _enclosing_flats(params: Sequence[Tensor]) -> list[Tensor]:
     want = {id(p) for p in params}
     found = []
     for obj in gc.get_objects():
-        if (isinstance(obj, Tensor) and getattr(obj, "_is_flat_param", False)
+        if (isinstance(obj, Tensor) and _is_flat_param(obj)
                 and getattr(obj, "_params", None) is not None and any(id(q) in want for q in obj._params)):
             found.append(obj)
     return found
@@ -215,7 +226,6 @@ def flat_pieces(flat: Tensor, use_swan: Sequence[bool]) -> list[Piece]:
             f"its shard has {flat._sharded_size.numel()}: was the optimizer stepped while parameters were "
             "unsharded (inside summon_full_params, or between forward and backward)?"
         )
-    local, grad = flat.detach(), flat.grad
     counts = sum(not s for s in use_swan)
     size = sum(n for _, n in _fallback_spans(flat, use_swan))
     out, j, a = [], 0, 0
@@ -224,9 +234,7 @@ def flat_pieces(flat: Tensor, use_swan: Sequence[bool]) -> list[Piece]:
         slot = StateSlot(flat) if swan else StateSlot(flat, j, a, a + n, size, counts)
         if not swan:
             j, a = j + 1, a + n
-        view = local.narrow(0, o.offset, n)
-        g = None if grad is None else grad.narrow(0, o.offset, n)
-        out.append(Piece(o.name, o.shape, o.lo, o.hi, view, g, view, g, slot))
+        out.append(flat_piece(o.name, o.shape, o.lo, flat, o.offset, n, slot))
     return out
 
 
@@ -294,7 +302,7 @@ class FlatParamAdapter(Adapter):
         return outside_flats(model)  # use_orig_params=False, `model` below the module a unit wraps
 
     def claims(self, tensor: Tensor) -> bool:
-        return getattr(tensor, "_is_flat_param", False)
+        return _is_flat_param(tensor)
 
     def members(self, tensor: Tensor, name: str | None) -> list[Member]:
         return [Member(o.name, o.shape, o, o.module, o.param_name, o.embedding) for o in originals(tensor)]
@@ -319,7 +327,7 @@ class OrigParamAdapter(Adapter):
     name = "fsdp1-orig"
 
     def claims(self, tensor: Tensor) -> bool:
-        return hasattr(tensor, RANGE) or getattr(tensor, "_fsdp_flattened", False)
+        return hasattr(tensor, RANGE) or _is_fsdp_flattened(tensor)
 
     def shape(self, tensor: Tensor) -> tuple[int, ...]:
         return getattr(tensor, SHAPE, None) or tuple(tensor.shape)

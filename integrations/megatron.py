@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from swan_dist.adapter import Adapter, Member, Piece, StateSlot, tensor_piece
+from swan_dist.adapter import Adapter, Member, Piece, flat_piece, tensor_piece
 from swan_dist.routing import Layout
 
 SHARD = "_swan_main_shard"  # on a model param under the distributed optimizer: (fp32 shard | None, start, end)
@@ -151,14 +151,10 @@ class MegatronAdapter(Adapter):
             rank = _tp(p)[0] if tp else 0
             shape = self.shape(p) if tp else tuple(p.shape)
             layout = self._layout(p) if tp else Layout()
-            lo = rank * p.numel() + start
-            if shard is None:
-                empty = torch.empty(0, dtype=torch.float32, device=p.device)
-                out.append(Piece(name, shape, lo, lo, empty, None, empty, None, StateSlot(empty), layout,
-                                 getattr(p, SPLIT, ())))
-                continue
-            out.append(Piece(name, shape, lo, lo + shard.numel(), shard.detach().view(-1), shard.grad, shard,
-                             shard.grad, StateSlot(shard), layout, getattr(p, SPLIT, ())))
+            if shard is None:  # this rank holds none of it
+                shard = torch.empty(0, dtype=torch.float32, device=p.device)
+            out.append(flat_piece(name, shape, rank * p.numel() + start, shard, layout=layout,
+                                  split=getattr(p, SPLIT, ())))
         return out
 
 

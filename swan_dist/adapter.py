@@ -36,7 +36,7 @@ from torch import Tensor, nn
 from .routing import ROW_MAJOR, Layout
 
 __all__ = ["Adapter", "Form", "Member", "Piece", "StateSlot", "adapter_for", "members_of", "adopt", "prepare_model",
-           "form_of",
+           "form_of", "flat_piece",
            "name_bare_params", "optimizer_built", "reusable", "repoint", "registry_token", "tensor_key"]
 
 
@@ -98,6 +98,22 @@ def tensor_piece(name: str, p: Tensor, shape: tuple[int, ...] | None = None, lo:
     g = None if grad is None else grad.reshape(-1)
     return Piece(name, tuple(p.shape) if shape is None else tuple(shape), lo, lo + flat.numel(), flat, g,
                  p, p.grad, StateSlot(p), layout, tuple(split))
+
+
+def flat_piece(name: str, shape: Sequence[int], lo: int, flat: Tensor, start: int = 0, n: int | None = None,
+               slot: StateSlot | None = None, layout: Layout = ROW_MAJOR, split: Sequence[int] = ()) -> Piece:
+    """Elements ``[lo, lo + n)`` of a parameter of full ``shape`` held contiguously at ``[start, start + n)``
+    of the 1-D buffer ``flat`` (``n`` default: the rest of it), a framework's flat partition or shard.
+
+    The piece is a view of that range, for the engine and the fallback rule alike, and its gradient the
+    same range of ``flat.grad``, so updates land in the framework's own buffer. Its state defaults to
+    the buffer's (``optimizer.state[flat]``); ``slot`` places it elsewhere (a span of a packed buffer's
+    compact state). ``n = 0`` is the piece of a rank that holds none of the parameter."""
+    n = flat.numel() - start if n is None else n
+    view = flat.detach().narrow(0, start, n)
+    grad = None if flat.grad is None else flat.grad.narrow(0, start, n)
+    return Piece(name, tuple(shape), lo, lo + n, view, grad, view, grad, StateSlot(flat) if slot is None else slot,
+                 layout, tuple(split))
 
 
 @dataclass(frozen=True)

@@ -173,8 +173,8 @@ EXPECT = {  # fault -> (error type on the failing rank, on the others, words in 
 }
 
 
-@pytest.mark.parametrize("kind, world", [("ddp", 2), ("ddp", 4), ("fsdp2", 2), ("fsdp2", 4), ("fsdp1", 2), ("tp", 2),
-                                         ("deepspeed", 2)])
+@pytest.mark.parametrize("kind, world", [("ddp", 2), ("ddp", 4), ("fsdp2", 2), ("fsdp2", 4), ("fsdp1", 2), ("fsdp1", 4),
+                                         ("tp", 2), ("tp", 4), ("deepspeed", 2), ("deepspeed", 4)])
 def test_one_rank_fault_is_every_ranks_error(kind, world):
     results = run_distributed(_worker, world, kind, timeout=400)
     last = world - 1
