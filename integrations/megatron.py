@@ -237,9 +237,6 @@ def _distributed_optimizer_class():
     its own (see :class:`SwanDistributedOptimizer`)."""
     if _DIST_OPT:
         return _DIST_OPT[0]
-    from megatron.core import parallel_state as ps
-    from megatron.core.dist_checkpointing import ShardedTensor
-    from megatron.core.dist_checkpointing.mapping import ShardedObject
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     class SwanDistributedOptimizer(DistributedOptimizer):
@@ -261,99 +258,124 @@ def _distributed_optimizer_class():
         """
 
         def state_dict(self):
-            groups = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
-            sd = {"optimizer": {"param_groups": groups}, "swan_layout": _mp_layout()}
-            if self.grad_scaler:
-                sd["grad_scaler"] = self.grad_scaler.state_dict()
-            return sd
+            return _dist_state_dict(self)
 
         def load_state_dict(self, state_dict):
-            saved = state_dict.get("swan_layout")
-            if saved is not None and tuple(saved) != _mp_layout():
-                raise ValueError(f"swan_dist: this distributed-optimizer checkpoint was saved at (TP, PP) = "
-                                 f"{tuple(saved)} and is loaded at {_mp_layout()}; SWAN's distributed-optimizer "
-                                 "state reloads at another data-parallel size only")
-            keys = (*param_group_identifier_keys(), "use_swan")
-
-            def ident(g):
-                return tuple(g.get(k, g.get(f"pre_{k}")) for k in keys)
-
-            by_ident = {ident(g): g for g in state_dict["optimizer"]["param_groups"]}
-            for g in self.optimizer.param_groups:
-                src = by_ident.get(ident(g))
-                if src is None:
-                    raise ValueError(f"swan_dist: the checkpoint has no param group with {dict(zip(keys, ident(g)))}")
-                g.update({k: v for k, v in src.items() if k not in ("params", "param_names")})
-            self.optimizer.init_state()
-            if self.grad_scaler and "grad_scaler" in state_dict:
-                self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
-            loaded = state_dict.get("param_state")
-            if loaded is None:
-                return
-            with torch.no_grad():
-                for name, main, tensors, _, _ in self._swan_param_entries():
-                    if not tensors:
-                        continue
-                    for k, t in tensors.items():
-                        t.copy_(loaded[name][k].view(-1))
-                    st = self.optimizer.state.get(main)
-                    if st and "step" in loaded[name]:
-                        st["step"].fill_(float(loaded[name]["step"]))
+            _dist_load_state_dict(self, state_dict)
 
         def sharded_state_dict(self, model_sharded_state_dict=None, is_loading=False, sharding_type=None,
                                metadata=None, **_):
-            self.optimizer.init_state()  # fallback moments exist before a first step too: the same keys always
-            dp_rank, inst = self.data_parallel_group.rank(), self.distributed_optimizer_instance_id
-            sd = {k: ShardedObject(f"optimizer.distributed.dp_group_idx_{self.data_parallel_group_idx}.{k}", v,
-                                   (1,), (0,), replica_id=(inst, 0, dp_rank)) for k, v in self.state_dict().items()}
-            param_state = {}
-            for name, main, tensors, (size, offset, tp_replica), writer in self._swan_param_entries():
-                entry = {k: ShardedTensor(f"optimizer.swan.{k}.{name}", t, t.dtype, tuple(t.shape), (size,), (offset,),
-                                          axis_fragmentations=None, replica_id=(0, tp_replica, inst))
-                         for k, t in tensors.items()}
-                st = self.optimizer.state.get(main)
-                if st and "step" in st:  # one writer: the DP rank holding the parameter's first element
-                    entry["step"] = ShardedObject(f"optimizer.swan.step.{name}", st["step"], (1,), (0,),
-                                                  replica_id=(0, tp_replica, inst, 0 if writer else 1))
-                if entry:  # nothing at all for a SWAN matrix of an fp32 model
-                    param_state[name] = entry
-            sd["param_state"] = param_state
-            return sd
-
-        def _swan_param_entries(self):
-            """Per model parameter this rank holds a range of: (global name, fp32 shard, {state key: flat
-            tensor}, (full numel, offset of the range in it, TP replica index), holds element 0)."""
-            pairs = [(self.model_float16_groups, self.shard_fp32_from_float16_groups),
-                     (self.model_fp32_groups, self.shard_fp32_groups)]
-            for model_groups, shard_groups in pairs:
-                for model_group, shard_group in zip(model_groups, shard_groups):
-                    for p, main in zip(model_group, shard_group):
-                        _, start, _ = getattr(p, SHARD)
-                        if _dim(p) is not None:
-                            tp_rank, tp = _tp(p)
-                            where = (tp * p.numel(), tp_rank * p.numel() + start, 0)
-                        else:
-                            where = (p.numel(), start, ps.get_tensor_model_parallel_rank())
-                        tensors = {"fp32_param": main.view(-1)} if p.dtype != torch.float32 else {}
-                        st = self.optimizer.state.get(main) or {}
-                        tensors.update({k: st[k].view(-1) for k in ("exp_avg", "exp_avg_sq") if k in st})
-                        yield getattr(p, CKPT_NAME), main, tensors, where, start == 0
+            return _dist_sharded_state_dict(self)
 
         def get_parameter_state_dp_zero(self, *args, **kwargs):
             raise ValueError(LEGACY_DIST_OPT_CHECKPOINT)
 
         load_parameter_state_from_dp_zero = save_parameter_state = load_parameter_state = get_parameter_state_dp_zero
 
-    def param_group_identifier_keys():
-        import megatron.core.optimizer.optimizer as oo
-
-        return tuple(k for k in oo.param_group_identifier_keys if k != "use_swan")
-
-    def _mp_layout():
-        return ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
-
     _DIST_OPT.append(SwanDistributedOptimizer)
     return SwanDistributedOptimizer
+
+
+def _mp_layout() -> tuple[int, int]:
+    from megatron.core import parallel_state as ps
+
+    return ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
+
+
+def _param_group_identifier_keys() -> tuple[str, ...]:
+    import megatron.core.optimizer.optimizer as oo
+
+    return tuple(k for k in oo.param_group_identifier_keys if k != "use_swan")
+
+
+def _dist_state_dict(dopt) -> dict:
+    """The common part: param groups' options, the loss scaler, the (TP, PP) sizes."""
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in dopt.optimizer.param_groups]
+    sd = {"optimizer": {"param_groups": groups}, "swan_layout": _mp_layout()}
+    if dopt.grad_scaler:
+        sd["grad_scaler"] = dopt.grad_scaler.state_dict()
+    return sd
+
+
+def _dist_load_state_dict(dopt, state_dict: dict) -> None:
+    saved = state_dict.get("swan_layout")
+    if saved is not None and tuple(saved) != _mp_layout():
+        raise ValueError(f"swan_dist: this distributed-optimizer checkpoint was saved at (TP, PP) = "
+                         f"{tuple(saved)} and is loaded at {_mp_layout()}; SWAN's distributed-optimizer "
+                         "state reloads at another data-parallel size only")
+    keys = (*_param_group_identifier_keys(), "use_swan")
+
+    def ident(g):
+        return tuple(g.get(k, g.get(f"pre_{k}")) for k in keys)
+
+    by_ident = {ident(g): g for g in state_dict["optimizer"]["param_groups"]}
+    for g in dopt.optimizer.param_groups:
+        src = by_ident.get(ident(g))
+        if src is None:
+            raise ValueError(f"swan_dist: the checkpoint has no param group with {dict(zip(keys, ident(g)))}")
+        g.update({k: v for k, v in src.items() if k not in ("params", "param_names")})
+    dopt.optimizer.init_state()
+    if dopt.grad_scaler and "grad_scaler" in state_dict:
+        dopt.grad_scaler.load_state_dict(state_dict["grad_scaler"])
+    loaded = state_dict.get("param_state")
+    if loaded is None:
+        return
+    with torch.no_grad():
+        for name, main, tensors, _, _ in _dist_param_entries(dopt):
+            if not tensors:
+                continue
+            for k, t in tensors.items():
+                t.copy_(loaded[name][k].view(-1))
+            st = dopt.optimizer.state.get(main)
+            if st and "step" in loaded[name]:
+                st["step"].fill_(float(loaded[name]["step"]))
+
+
+def _dist_sharded_state_dict(dopt) -> dict:
+    """The common part as objects, and per parameter its 1-D chunks (fp32 main copy, fallback moments)
+    and step count, for ``dist_checkpointing``."""
+    from megatron.core.dist_checkpointing import ShardedTensor
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    dopt.optimizer.init_state()  # fallback moments exist before a first step too: the same keys always
+    dp_rank, inst = dopt.data_parallel_group.rank(), dopt.distributed_optimizer_instance_id
+    sd = {k: ShardedObject(f"optimizer.distributed.dp_group_idx_{dopt.data_parallel_group_idx}.{k}", v,
+                           (1,), (0,), replica_id=(inst, 0, dp_rank)) for k, v in _dist_state_dict(dopt).items()}
+    param_state = {}
+    for name, main, tensors, (size, offset, tp_replica), writer in _dist_param_entries(dopt):
+        entry = {k: ShardedTensor(f"optimizer.swan.{k}.{name}", t, t.dtype, tuple(t.shape), (size,), (offset,),
+                                  axis_fragmentations=None, replica_id=(0, tp_replica, inst))
+                 for k, t in tensors.items()}
+        st = dopt.optimizer.state.get(main)
+        if st and "step" in st:  # one writer: the DP rank holding the parameter's first element
+            entry["step"] = ShardedObject(f"optimizer.swan.step.{name}", st["step"], (1,), (0,),
+                                          replica_id=(0, tp_replica, inst, 0 if writer else 1))
+        if entry:  # nothing at all for a SWAN matrix of an fp32 model
+            param_state[name] = entry
+    sd["param_state"] = param_state
+    return sd
+
+
+def _dist_param_entries(dopt):
+    """Per model parameter this rank holds a range of: (global name, fp32 shard, {state key: flat
+    tensor}, (full numel, offset of the range in it, TP replica index), holds element 0)."""
+    from megatron.core import parallel_state as ps
+
+    pairs = [(dopt.model_float16_groups, dopt.shard_fp32_from_float16_groups),
+             (dopt.model_fp32_groups, dopt.shard_fp32_groups)]
+    for model_groups, shard_groups in pairs:
+        for model_group, shard_group in zip(model_groups, shard_groups):
+            for p, main in zip(model_group, shard_group):
+                _, start, _ = getattr(p, SHARD)
+                if _dim(p) is not None:
+                    tp_rank, tp = _tp(p)
+                    where = (tp * p.numel(), tp_rank * p.numel() + start, 0)
+                else:
+                    where = (p.numel(), start, ps.get_tensor_model_parallel_rank())
+                tensors = {"fp32_param": main.view(-1)} if p.dtype != torch.float32 else {}
+                st = dopt.optimizer.state.get(main) or {}
+                tensors.update({k: st[k].view(-1) for k in ("exp_avg", "exp_avg_sq") if k in st})
+                yield getattr(p, CKPT_NAME), main, tensors, where, start == 0
 
 
 @contextlib.contextmanager
