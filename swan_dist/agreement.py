@@ -8,8 +8,8 @@ step could start. A disagreement raises the same error on every rank, naming the
 from __future__ import annotations
 
 import operator
-import zlib
 import warnings
+import zlib
 from collections import Counter, defaultdict
 from typing import Sequence
 
@@ -18,9 +18,10 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .adapter import Piece
+from .functional import _compile_wanted, resolve_dtype
 from .rules import SCALAR_KEYS
 
-__all__ = ["StepAgreement", "Hashes", "grad_codes", "raise_rank_failure", "raise_structure_mismatch",
+__all__ = ["agree", "engine_descriptor", "StepAgreement", "Hashes", "grad_codes", "raise_rank_failure", "raise_structure_mismatch",
            "raise_scalar_mismatch", "scalar_hash", "skipped", "gather_names", "nonfinite_update"]
 
 _MASK = (1 << 30) - 1  # hashes travel in int32 tensors, negated too: keep them well inside its range
@@ -70,6 +71,43 @@ class StepAgreement:
         flags = codes.clone()
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
         return "ok", flags.tolist()
+
+
+def engine_descriptor(mode: str, bucket_mb: float, device: torch.device, records: Sequence) -> tuple:
+    """The engine's part of the structure every rank must agree on, shaped like a record's descriptor so
+    that a difference names its setting: mode, bucket bound, the exchange's device type, the whitening
+    dtypes ``auto`` resolves to there (decided per process: the CPU's bf16 support, ``SWAN_DIST_CPU_BF16``)
+    and whether ``torch.compile`` runs (``SWAN_DIST_COMPILE``, or a compile that failed on some rank)."""
+    dtypes = sorted({str(resolve_dtype(r.cfg, device)) for r in records if r.cfg is not None})
+    return ("<engine>", (), (), "", (("mode", repr(mode)), ("bucket_mb", repr(bucket_mb)),
+                                     ("device", device.type), ("whiten_dtype (resolved)", repr(dtypes)),
+                                     ("compile", repr(_compile_wanted(device)))))
+
+
+def agree(opt, entries: list, failure: BaseException | None, world: int, group,
+          device: torch.device | None) -> tuple[list[int], tuple | None]:
+    """The agreed gradient code per entry of optimizer ``opt`` and the plan key (``None`` at W=1), or every
+    rank raises the same error. One ``all_reduce`` while nothing changed (:class:`StepAgreement`)."""
+    pieces = [e.piece for e in entries]
+    codes = grad_codes(pieces, device)
+    if world == 1 or opt._mode(world) == "local":  # code 3: a SWAN matrix held only in part here
+        part = [i for i, e in enumerate(entries) if e.record.use_swan and not e.piece.whole]
+        if part:
+            codes[torch.tensor(part, device=codes.device)] = 3
+    if world == 1:
+        return codes.tolist(), None
+    records = [e.record for e in entries]
+    engine = engine_descriptor(opt.mode, opt.bucket_mb, device, records)
+    structure = opt._hashes.structure(records, engine)
+    status, flags = opt._agreement(codes, structure, opt._hashes.layout(pieces),
+                                    scalar_hash(opt.param_groups), group, failure is not None)
+    if status == "failed":
+        raise_rank_failure(failure, group)
+    if status == "mismatch":
+        raise_structure_mismatch([r.descriptor for r in records] + [engine], group)
+    if status == "scalars":
+        raise_scalar_mismatch(opt.param_groups, group)
+    return flags, (structure, opt._agreement.layouts)
 
 
 def _crc(obj) -> int:

@@ -13,12 +13,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .functional import _compile_wanted, resolve_dtype, swan_update
+from .functional import swan_update
 from .pieces import Entry
 from .routing import Exchange, MatrixSpec, build_plan, matrices_in, update_canonical
 from .rules import Pending, apply_stack
 
-__all__ = ["whiten_local", "Plans", "engine_descriptor", "explain"]
+__all__ = ["whiten_local", "Plans", "explain"]
 
 # Largest stack of same-shape gradients whitened in one batched call (bounds transient memory). On the
 # CPU, 16 MiB stacks of the `small` model's matrices whitened 15-25 % faster than 1 MiB ones (two threads,
@@ -37,17 +37,6 @@ _CPU_EXCHANGE_STACK_BYTES = 4 << 20
 # Bytes of updates the exchange hands back that are held before they are applied together (on the CPU,
 # _CPU_PASS_BYTES): a bound on what they keep alive beyond the exchange's own buffers.
 _FLUSH_BYTES = 32 << 20
-
-
-def engine_descriptor(mode: str, bucket_mb: float, device: torch.device, records: Sequence) -> tuple:
-    """The engine's part of the structure every rank must agree on, shaped like a record's descriptor so
-    that a difference names its setting: mode, bucket bound, the exchange's device type, the whitening
-    dtypes ``auto`` resolves to there (decided per process: the CPU's bf16 support, ``SWAN_DIST_CPU_BF16``)
-    and whether ``torch.compile`` runs (``SWAN_DIST_COMPILE``, or a compile that failed on some rank)."""
-    dtypes = sorted({str(resolve_dtype(r.cfg, device)) for r in records if r.cfg is not None})
-    return ("<engine>", (), (), "", (("mode", repr(mode)), ("bucket_mb", repr(bucket_mb)),
-                                     ("device", device.type), ("whiten_dtype (resolved)", repr(dtypes)),
-                                     ("compile", repr(_compile_wanted(device)))))
 
 
 def explain(failure: BaseException | None, bucket_mb: float) -> BaseException | None:

@@ -15,7 +15,7 @@ collect this rank's pieces and their records (:mod:`.pieces`), agree with the ot
 
 from __future__ import annotations
 
-from collections import Counter, defaultdict
+from collections import Counter
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
@@ -23,13 +23,12 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from .adapter import Form, Member, adapter_for, name_bare_params, optimizer_built
-from .agreement import (Hashes, StepAgreement, grad_codes, raise_rank_failure, raise_scalar_mismatch,
-                        raise_structure_mismatch, scalar_hash, skipped, gather_names, nonfinite_update)
-from .execute import Plans, engine_descriptor, explain, whiten_local
+from .agreement import Hashes, StepAgreement, agree, gather_names, nonfinite_update, raise_rank_failure, skipped
+from .execute import Plans, explain, whiten_local
 from .pieces import Collector, Entry, Origin
 from .presets import OPTIMIZER_KEYS, load_preset
 from .routing import comm_device
-from .rules import FALLBACKS, check_group, check_scalars, run_fallback
+from .rules import FALLBACKS, check_group, check_scalars, run_fallbacks
 from .state import export_states, import_states, zero_states
 from .selection import Rule, classify, param_groups, tag_model, tagged_form, tagged_name
 from .summary import SummaryRow, summary_text, warn_unnamed
@@ -60,6 +59,23 @@ def _as_groups(params: Iterable[Any] | nn.Module, include: list[str], exclude: l
     if bare and all(tagged_name(p) is None for p in bare) and (model := name_bare_params(bare)) is not None:
         tag_model(model, include, exclude)
     return params
+
+
+def _defaults(preset: str | None, explicit: dict[str, Any]) -> tuple[str | None, dict[str, Any]]:
+    """(the preset's name, the groups' defaults): the base values, the preset's, the explicit arguments
+    given (not None), checked."""
+    defaults: dict[str, Any] = dict(_BASE)
+    name = None
+    if preset is not None:
+        p = load_preset(preset)
+        name = p["name"]
+        defaults.update(p["optimizer"])
+    defaults.update({k: v for k, v in explicit.items() if v is not None})
+    if "lr" not in defaults:
+        raise ValueError("SWAN: lr is required when no preset is given")
+    defaults["betas"] = _pair(defaults["betas"])
+    check_group(defaults)
+    return name, defaults
 
 
 def _pair(betas: Any) -> Any:
@@ -136,23 +152,10 @@ class SWAN(torch.optim.Optimizer):
         verbose: bool = True,
         split_fused: bool = True,
     ) -> None:
-        defaults: dict[str, Any] = dict(_BASE)
-        self.preset = None
-        if preset is not None:
-            p = load_preset(preset)
-            self.preset = p["name"]
-            defaults.update(p["optimizer"])
-        explicit = dict(
+        self.preset, defaults = _defaults(preset, dict(
             lr=lr, alpha=alpha, whitening=whitening, ns_steps=ns_steps, beta=beta, grad_norm=grad_norm,
             whiten_dtype=whiten_dtype, weight_decay=weight_decay, fallback=fallback, betas=betas,
-            eps=eps, nonfinite=nonfinite,
-        )
-        defaults.update({k: v for k, v in explicit.items() if v is not None})
-        if "lr" not in defaults:
-            raise ValueError("SWAN: lr is required when no preset is given")
-        defaults["betas"] = _pair(defaults["betas"])
-        defaults["split_fused"] = split_fused
-        check_group(defaults)
+            eps=eps, nonfinite=nonfinite, split_fused=split_fused))
         if mode not in _MODES:
             raise ValueError(f"mode must be one of {_MODES}, got {mode!r}")
         if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) or not 0 < bucket_mb < float("inf"):
@@ -316,7 +319,7 @@ class SWAN(torch.optim.Optimizer):
     def _step(self, entries: list[Entry], failure: Exception | None, world: int, group) -> None:
         pieces = [e.piece for e in entries]
         device = self._comm_device(pieces) if world > 1 else None
-        flags, key = self._agree(entries, failure, world, group, device)
+        flags, key = agree(self, entries, failure, world, group, device)
         skip = skipped(entries, flags, self.nonfinite_skips)
         if world == 1:
             nonfinite: list[str] = []
@@ -338,47 +341,15 @@ class SWAN(torch.optim.Optimizer):
         if nonfinite:
             nonfinite_update(entries, nonfinite, self.nonfinite_skips)
 
-    def _agree(self, entries: list[Entry], failure: Exception | None, world: int, group,
-               device: torch.device | None) -> tuple[list[int], tuple | None]:
-        """The agreed gradient code per entry and the plan key (``None`` at W=1), or every rank raises."""
-        pieces = [e.piece for e in entries]
-        codes = grad_codes(pieces, device)
-        if world == 1 or self._mode(world) == "local":  # code 3: a SWAN matrix held only in part here
-            part = [i for i, e in enumerate(entries) if e.record.use_swan and not e.piece.whole]
-            if part:
-                codes[torch.tensor(part, device=codes.device)] = 3
-        if world == 1:
-            return codes.tolist(), None
-        records = [e.record for e in entries]
-        engine = engine_descriptor(self.mode, self.bucket_mb, device, records)
-        structure = self._hashes.structure(records, engine)
-        status, flags = self._agreement(codes, structure, self._hashes.layout(pieces),
-                                        scalar_hash(self.param_groups), group, failure is not None)
-        if status == "failed":
-            raise_rank_failure(failure, group)
-        if status == "mismatch":
-            raise_structure_mismatch([r.descriptor for r in records] + [engine], group)
-        if status == "scalars":
-            raise_scalar_mismatch(self.param_groups, group)
-        return flags, (structure, self._agreement.layouts)
-
     def _update(self, entries: list[Entry], skip: set[int], key: tuple | None, world: int, group,
                 device: torch.device | None, nonfinite: list[str]) -> BaseException | None:
         """The fallback rules, then SWAN's matrices whitened and applied; returns what failed here at W > 1
         (the fallback, or the exchange, whose collectives all ran regardless); names of matrices whose
         update was not finite go to ``nonfinite``."""
-        todo: dict[int, list] = defaultdict(list)  # fallback pieces per group, in group order
-        swan: list[int] = []
-        for i, e in enumerate(entries):
-            if e.record.use_swan:
-                swan.append(i)
-            elif e.piece.target_grad is not None and i not in skip:
-                todo[id(e.group)].append(e.piece)
+        swan = [i for i, e in enumerate(entries) if e.record.use_swan]
         failure = None
         try:
-            for g in self.param_groups:
-                if todo.get(id(g)):
-                    run_fallback(self.state, g, todo[id(g)])
+            run_fallbacks(self.state, self.param_groups, entries, skip)
         except Exception as e:  # noqa: BLE001 - announced after the exchange, whose collectives must still run
             if world == 1:
                 raise

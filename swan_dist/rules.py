@@ -22,7 +22,7 @@ from .adapter import PLAIN, Piece, local_of
 from .functional import WhitenConfig
 
 __all__ = ["FALLBACKS", "NONFINITE", "SCALAR_KEYS", "check_group", "check_scalars", "whiten_config",
-           "run_fallback", "factors", "apply_one", "apply_many", "apply_stack", "Pending"]
+           "run_fallback", "run_fallbacks", "factors", "apply_one", "apply_many", "apply_stack", "Pending"]
 
 FALLBACKS = ("adamw", "sign", "sgd")
 NONFINITE = ("skip", "raise")
@@ -158,6 +158,17 @@ def _stateless(group: dict, pieces: list[Piece], sign: bool) -> None:
         if wd:
             torch._foreach_mul_(targets, _scalar(1.0 - lr * wd, targets[0]))
         torch._foreach_add_(targets, torch._foreach_sign(grads) if sign else grads, alpha=-lr)
+
+
+def run_fallbacks(state: dict, groups: list[dict], entries: list, skip: set[int]) -> None:
+    """Every group's fallback rule over its entries that have a gradient here and are not skipped."""
+    todo: dict[int, list[Piece]] = {}  # fallback pieces per group, in group order
+    for i, e in enumerate(entries):
+        if not e.record.use_swan and e.piece.target_grad is not None and i not in skip:
+            todo.setdefault(id(e.group), []).append(e.piece)
+    for g in groups:
+        if todo.get(id(g)):
+            run_fallback(state, g, todo[id(g)])
 
 
 def run_fallback(state: dict, group: dict, pieces: list[Piece]) -> None:

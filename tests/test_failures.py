@@ -10,15 +10,14 @@ import warnings
 
 import pytest
 import torch
+from dist_utils import run_distributed
 from torch import nn
 
 import swan_dist.functional as F
-import swan_dist.optimizer as so
 import swan_dist.pieces as sp
 import swan_dist.routing as sr
+import swan_dist.rules as rules
 from swan_dist import SWAN
-
-from dist_utils import run_distributed
 
 pytestmark = pytest.mark.timeout(420)
 
@@ -59,7 +58,11 @@ def _wrap(kind, world):
         return model, model
     if kind == "tp":  # a column-parallel then a row-parallel Linear over the whole world; the rest replicated
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel,
+            RowwiseParallel,
+            parallelize_module,
+        )
 
         parallelize_module(model, init_device_mesh("cpu", (world,)), {"a": ColwiseParallel(), "b": RowwiseParallel()})
         return model, model
@@ -113,8 +116,8 @@ def _inject(fault, monkey):
             monkey.append((sp, name, getattr(sp, name)))
             setattr(sp, name, boom(KeyError))
     elif fault == "fallback":
-        monkey.append((so, "run_fallback", so.run_fallback))
-        so.run_fallback = boom(RuntimeError)
+        monkey.append((rules, "run_fallback", rules.run_fallback))
+        rules.run_fallback = boom(RuntimeError)
     elif fault in ("whiten", "oom"):
         monkey.append((sr, "swan_update", sr.swan_update))
         sr.swan_update = boom(ValueError if fault == "whiten" else torch.OutOfMemoryError)
