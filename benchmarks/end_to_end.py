@@ -82,7 +82,8 @@ def main() -> None:
     lines = [
         f"Reference model `{args.size}`, W={args.world} under torchrun, {device}, torch {torch.__version__}; "
         f"{args.batch}x{args.seq} tokens per rank and step, fp32; per run {args.warmup} warm-up + {args.steps} timed "
-        f"steps, {args.rounds} runs per optimizer alternating (median shown). FSDP2: torch AdamW (foreach) vs SWAN‡ "
+        f"steps, {args.rounds} runs per optimizer alternating (median shown), each under the trainer's lr schedule "
+        "(linear warm-up, then cosine decay: a new lr every step). FSDP2: torch AdamW (foreach) vs SWAN‡ "
         "owner mode; DeepSpeed ZeRO-2: DeepSpeed's AdamW vs `\"type\": \"SWAN\"`. Optimizer share: time in "
         "`optimizer.step()` (DeepSpeed: `engine.step()`, which also finishes the gradient reduction) over the "
         "training time.",
@@ -103,7 +104,8 @@ def main() -> None:
     print(body)
     if not args.no_write:
         key = "end-to-end-" + ("cuda" if torch.cuda.is_available() else "cpu")
-        write_section(key, f"End to end: trainer tokens/s, SWAN‡ vs AdamW (W={args.world})", body)
+        where = "CUDA" if torch.cuda.is_available() else "CPU"
+        write_section(key, f"End to end ({where}): trainer tokens/s, SWAN‡ vs AdamW (W={args.world})", body)
 
 
 if __name__ == "__main__":
