@@ -321,22 +321,23 @@ class SWAN(torch.optim.Optimizer):
         device = self._comm_device(pieces) if world > 1 else None
         flags, key = agree(self, entries, failure, world, group, device)
         skip = skipped(entries, flags, self.nonfinite_skips)
-        if world == 1:
-            nonfinite: list[str] = []
+        nonfinite: list[str] = []
+        try:
             late = self._update(entries, skip, key, world, group, device, nonfinite)
+        except Exception as e:  # noqa: BLE001 - e.g. the fallback rule out of memory on this rank only
+            if world == 1:
+                raise
+            late = e
+        if world == 1:
             if late is not None:
                 raise late
         else:  # any rank's late failure or non-finite update reaches every rank at one more all_reduce
-            nonfinite = []
-            try:
-                late = self._update(entries, skip, key, world, group, device, nonfinite)
-            except Exception as e:  # noqa: BLE001 - e.g. the fallback rule out of memory here only
-                late = e
             status = torch.tensor([late is not None, bool(nonfinite)], dtype=torch.int32, device=device)
             dist.all_reduce(status, op=dist.ReduceOp.MAX, group=group)
-            if status[0]:
+            failed, bad = status.tolist()
+            if failed:
                 raise_rank_failure(explain(late, self.bucket_mb), group)
-            if status[1]:
+            if bad:
                 nonfinite = gather_names(nonfinite, group)
         if nonfinite:
             nonfinite_update(entries, nonfinite, self.nonfinite_skips)

@@ -192,6 +192,57 @@ def test_a_new_framework_is_one_adapter_and_one_registry_line():
     assert "4 matrices whitened by SWAN" in res[0][1]
 
 
+def _reshard_worker(rank, world):
+    """Rows split evenly for two steps, then re-sharded unevenly (rank 0 one row fewer) for three."""
+    import torch.distributed as dist
+
+    import swan_dist.integrations as integrations
+
+    integrations.ADAPTERS = (RowShardAdapter(), *integrations.ADAPTERS)
+    torch.manual_seed(0)
+    full = Net()
+
+    def shard(weights, shift):
+        named = []
+        for n, w in weights.items():
+            rows = -(-w.shape[0] // world)
+            cut = [min(max(0, r * rows - (shift if r else 0)), w.shape[0]) for r in range(world)] + [w.shape[0]]
+            local = nn.Parameter(w[cut[rank]: cut[rank + 1]].clone())
+            local.full_shape, local.row0 = tuple(w.shape), cut[rank]
+            named.append((n, local))
+        return named
+
+    named = shard({n: p.detach() for n, p in full.named_parameters()}, 0)
+    opt = SWAN(named, verbose=False, preset="swan_ddagger", lr=0.05, fallback="sgd")
+    built = []
+    for t in range(5):
+        if t == 2:  # re-shard: gather the current rows, cut them anew, hand the optimizer the new tensors
+            parts = [None] * world
+            dist.all_gather_object(parts, {n: p.detach() for n, p in named})
+            named = shard({n: torch.cat([part[n] for part in parts]) for n, _ in named}, 1)
+            for g in opt.param_groups:
+                g["params"] = [p for n, p in named if n in set(g.get("param_names", ()))]
+        grads = _global_grads(full, t)
+        for n, p in named:
+            p.grad = grads[n][p.row0: p.row0 + p.shape[0]].clone()
+        before = opt._plans.built
+        opt.step()
+        built.append(opt._plans.built - before)
+    return {n: p.detach() for n, p in named}, built
+
+
+def test_a_layout_change_between_steps_rebuilds_the_plan_once():
+    from test_distributed_optimizer import _reference
+
+    res = run_distributed(_reshard_worker, 2)
+    ref = _reference(_global_grads, dict(preset="swan_ddagger", lr=0.05, fallback="sgd"), range(5))
+    for n, p in ref.named_parameters():
+        got = torch.cat([r[0][n] for r in res])
+        assert (got - p.detach()).abs().max() < 2e-5, n
+    for _, built in res:
+        assert built == [1, 0, 1, 0, 0], built
+
+
 def _one_rank_fails_worker(rank, world):
     import swan_dist.integrations as integrations
 
