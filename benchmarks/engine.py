@@ -235,7 +235,7 @@ def _worker(rank: int, world: int, port: int, size: str, steps: int, out: str) -
     dist.destroy_process_group()
 
 
-TARGET = 1.85  # replicated / owner at W=2 (issue 11; 2x is the ideal)
+TARGET = 1.85  # replicated / owner at W=2 (2x is the ideal)
 
 
 def step_table(world: int, size: str, steps: int) -> str:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU kit: SWAN's benchmarks and numerics checks on a lent one-GPU machine, in one command.
+# The GPU kit: SWAN's benchmarks and numerics checks on a one-GPU machine, in one command.
 #
 # Run from the repository root on that machine (Python 3.12 at python3 with torch+CUDA; no internet,
 # no megatron-core), with the git-ignored folder .whl/ (megatron-core's cp312 manylinux wheel) carried:

@@ -49,7 +49,7 @@ TARGET = 2.0  # SWAN (whitening none) within 2x of AdamW (foreach) per tensor
 # The same script on the optimizer before the lean step (swan_dist/optimizer.py and adapter.py of commit
 # c92af58, everything else as measured), on the machines the sections below were measured on.
 BEFORE = {
-    "cpu": "Before the lean step (this script, the optimizer of commit c92af58, this machine, 2026-11-23, constant lr): W=1 "
+    "cpu": "Before the lean step (this script, the optimizer of commit c92af58, the same 2-core CPU machine, 2026-11-23, constant lr): W=1 "
            "swan-none 49.62 ms (114.1 µs per tensor, 2.19x AdamW foreach at 22.66 ms), swan-none+sign 47.76 ms "
            "(2.11x); W=2 swan-none@owner 58.73 ms (2.70x AdamW foreach at 21.73 ms), swan-none+sign@owner 54.99 ms "
            "(2.53x), swan-none@local 59.32 ms (2.73x): per-parameter adapter calls, two kernels per gradient for "

@@ -100,7 +100,7 @@ class SWAN(torch.optim.Optimizer):
         alpha: scale on the lr of SWAN-managed matrices.
         whitening: ``nsds`` | ``ns`` | ``none``; ``ns_steps`` and ``beta`` as in the paper's Alg. 2.
         grad_norm: ``rms`` (paper eq. 1) | ``mean`` (mean-centred) | ``none``.
-        whiten_dtype: ``auto`` (bf16 NSDS on CUDA, fp32 otherwise) | ``float32`` | ``bfloat16`` | ``float64``.
+        whiten_dtype: ``auto`` (bf16 NSDS on CUDA and on CPUs with native bf16, fp32 otherwise) | ``float32`` | ``bfloat16`` | ``float64``.
         weight_decay: decoupled, ``p ← p·(1 − lr_eff·wd)`` for every parameter.
         fallback: rule for parameters SWAN does not whiten: ``adamw`` | ``sign`` | ``sgd``.
         betas, eps: of the ``adamw`` fallback.
