@@ -22,10 +22,13 @@ the updates of phase k-1 travel while phase k is computed).
 from __future__ import annotations
 
 import bisect
+import functools
 import heapq
 import math
+from array import array
 from dataclasses import dataclass, field
-from typing import Callable, Hashable, Sequence
+from itertools import chain
+from typing import Callable, Hashable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -33,7 +36,7 @@ from torch import Tensor
 
 from .functional import WhitenConfig, swan_update, whiten_flops
 
-__all__ = ["Layout", "ROW_MAJOR", "MatrixSpec", "Plan", "Bucket", "build_plan", "cover", "Exchange", "Segment",
+__all__ = ["Layout", "ROW_MAJOR", "MatrixSpec", "Plan", "Bucket", "Ranges", "build_plan", "cover", "Exchange", "Segment",
            "swan_compute", "update_canonical", "swan_cost", "split_rows", "matrices_in", "part_shapes"]
 
 Range = tuple[int, int]
@@ -221,6 +224,138 @@ def update_canonical(rows: Tensor, layouts: Sequence[Layout], shape: Sequence[in
     return out.masked_fill_(~ok[:, None], float("nan")), ok
 
 
+class Ranges(Sequence):
+    """Every rank's range of every matrix, ``ranges[rank][m] == (lo, hi)``, read-only.
+
+    Stored as one flat ``int64`` array (rank-major, ``lo, hi`` per matrix): 16 bytes per (rank, matrix),
+    where lists of tuples of ints take about 120, so that every rank's copy of a plan stays small at large
+    W (560 matrices at W = 1,024: 9 MiB, against some 70 MiB of tuples). :meth:`table` is the same memory
+    as a ``(world, count, 2)`` tensor, for the planner's vectorised passes."""
+
+    __slots__ = ("world", "count", "flat")
+    __hash__ = None  # type: ignore[assignment]
+
+    def __init__(self, flat: array, world: int, count: int) -> None:
+        if flat.typecode != "q" or len(flat) != 2 * world * count:
+            raise ValueError(f"swan_dist: {len(flat)} range bounds for {world} ranks x {count} matrices")
+        self.flat, self.world, self.count = flat, world, count
+
+    @classmethod
+    def of(cls, ranges: Sequence[Sequence[Range]], count: int | None = None) -> Ranges:
+        """``ranges`` (a sequence per rank of ``(lo, hi)`` per matrix) as :class:`Ranges`."""
+        if isinstance(ranges, Ranges):
+            return ranges
+        if count is None:
+            count = len(ranges[0]) if len(ranges) else 0
+        return cls(array("q", chain.from_iterable(chain.from_iterable(ranges))), len(ranges), count)
+
+    def __len__(self) -> int:
+        return self.world
+
+    def __getitem__(self, rank: int | slice) -> RankRanges | list[RankRanges]:
+        if isinstance(rank, slice):
+            return [self[r] for r in range(*rank.indices(self.world))]
+        if rank < 0:
+            rank += self.world
+        if not 0 <= rank < self.world:
+            raise IndexError(f"rank {rank} out of range for {self.world} ranks")
+        return RankRanges(self.flat, 2 * rank * self.count, self.count)
+
+    def __iter__(self) -> Iterator[RankRanges]:
+        return (self[r] for r in range(self.world))
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Ranges):
+            return (self.world, self.count, self.flat) == (other.world, other.count, other.flat)
+        if isinstance(other, Sequence):
+            return len(other) == self.world and all(a == b for a, b in zip(self, other))
+        return NotImplemented
+
+    def __repr__(self) -> str:
+        return f"Ranges({self.world} ranks x {self.count} matrices)"
+
+    def at(self, rank: int, m: int) -> Range:
+        """``self[rank][m]``, without the row."""
+        i = 2 * (rank * self.count + m)
+        return self.flat[i], self.flat[i + 1]
+
+    def column(self, m: int) -> tuple[list[int], list[int]]:
+        """Matrix ``m``'s ``lo`` and ``hi`` on every rank, in rank order."""
+        step = 2 * self.count
+        return self.flat[2 * m::step].tolist(), self.flat[2 * m + 1::step].tolist()
+
+    def table(self) -> Tensor:
+        """A ``(world, count, 2)`` int64 tensor sharing this memory (not to be written)."""
+        if not self.flat:
+            return torch.zeros(self.world, self.count, 2, dtype=torch.int64)
+        return torch.frombuffer(self.flat, dtype=torch.int64).view(self.world, self.count, 2)
+
+
+class RankRanges(Sequence):
+    """One rank's row of :class:`Ranges`: ``row[m] == (lo, hi)``."""
+
+    __slots__ = ("flat", "start", "count")
+    __hash__ = None  # type: ignore[assignment]
+
+    def __init__(self, flat: array, start: int, count: int) -> None:
+        self.flat, self.start, self.count = flat, start, count
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, m: int | slice) -> Range | list[Range]:
+        if isinstance(m, slice):
+            return [self[i] for i in range(*m.indices(self.count))]
+        if m < 0:
+            m += self.count
+        if not 0 <= m < self.count:
+            raise IndexError(f"matrix {m} out of range for {self.count} matrices")
+        i = self.start + 2 * m
+        return self.flat[i], self.flat[i + 1]
+
+    def __iter__(self) -> Iterator[Range]:
+        bounds = iter(self.flat[self.start: self.start + 2 * self.count])
+        return zip(bounds, bounds)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Sequence):
+            return len(other) == self.count and all(tuple(a) == tuple(b) for a, b in zip(self, other))
+        return NotImplemented
+
+    def __repr__(self) -> str:
+        return repr(list(self))
+
+
+@dataclass(frozen=True)
+class _Holding:
+    """Per matrix, what every rank's range says about it (one vectorised pass over all ranges)."""
+
+    holders: list[int]  # ranks holding some of it
+    whole: list[int]  # ranks holding all of it
+    tiles: list[bool]  # the holders' ranges are pairwise disjoint (FSDP, ZeRO): each element has one source
+    holes: list[bool]  # some element is held by no rank
+
+
+def _holding_of(ranges: Ranges, numels: Sequence[int]) -> _Holding:
+    """:class:`_Holding` from the ranges sorted by start per matrix (the empty ones last)."""
+    t = ranges.table()
+    lo, hi = t[..., 0].T, t[..., 1].T  # (matrix, rank)
+    n = torch.tensor(list(numels), dtype=torch.int64).reshape(-1, 1)
+    held = hi > lo
+    holders, whole = held.sum(1), ((lo == 0) & (hi == n)).sum(1)
+    if ranges.world == 0:
+        tiles, holes = torch.ones(len(numels), dtype=torch.bool), n[:, 0] > 0
+    else:
+        start, order = torch.where(held, lo, torch.iinfo(torch.int64).max).sort(dim=1, stable=True)
+        held = held.gather(1, order)
+        end = torch.where(held, hi.gather(1, order), 0)
+        reach = end.cummax(dim=1).values  # the furthest end among the ranges starting so far
+        before = torch.cat([torch.zeros_like(reach[:, :1]), reach[:, :-1]], dim=1)
+        holes = (held & (start > before)).any(1) | (reach[:, -1] < n[:, 0])
+        tiles = ~(held[:, 1:] & (start[:, 1:] < end[:, :-1])).any(1)
+    return _Holding(holders.tolist(), whole.tolist(), tiles.tolist(), holes.tolist())
+
+
 @dataclass
 class Bucket:
     matrices: list[int]
@@ -230,14 +365,21 @@ class Bucket:
 @dataclass
 class Plan:
     specs: list[MatrixSpec]
-    ranges: list[list[Range]]  # ranges[rank][matrix]
+    ranges: Ranges  # ranges[rank][matrix] == (lo, hi); a list of lists of pairs is converted
     buckets: list[Bucket]
     mode: str
     costs: list[float]  # per matrix, the cost model's estimate
 
+    def __post_init__(self) -> None:
+        self.ranges = Ranges.of(self.ranges, len(self.specs))
+
     @property
     def world(self) -> int:
         return len(self.ranges)
+
+    @functools.cached_property
+    def _holding(self) -> _Holding:
+        return _holding_of(self.ranges, [s.numel for s in self.specs])
 
     def computes(self, rank: int, m: int, bucket: Bucket) -> bool:
         o = bucket.owners[m]
@@ -301,13 +443,22 @@ class Plan:
         return out
 
     def bytes_moved(self, elem_bytes: int = 4) -> int:
-        """Total bytes sent by all ranks in one step (both directions)."""
+        """Total bytes sent by all ranks in one step (both directions), the sum of every
+        :meth:`forward_segments` and :meth:`backward_segments` in closed form: a computing rank takes what
+        it holds from itself (:func:`cover`), so it receives every other element, and an owner sends each
+        other holder its piece."""
+        t = self.ranges.table()
+        held = t[..., 1] - t[..., 0]  # (rank, matrix)
+        total_held = held.sum(0).tolist()
         total = 0
         for b in self.buckets:
-            for s in range(self.world):
-                for d in range(self.world):
-                    total += sum(hi - lo for _, lo, hi in self.forward_segments(b, s, d))
-                    total += sum(hi - lo for _, lo, hi in self.backward_segments(b, s, d))
+            for m in b.matrices:
+                n, o = self.specs[m].numel, b.owners[m]
+                if o == -1:
+                    total += self.world * n - total_held[m]
+                else:
+                    lo, hi = self.ranges.at(o, m)
+                    total += n - (hi - lo) + total_held[m] - (hi - lo)
         return total * elem_bytes
 
 
@@ -349,37 +500,49 @@ def build_plan(
     if mode not in ("owner", "replicated"):
         raise ValueError(f"mode must be 'owner' or 'replicated', got {mode!r}")
     numels = [s.numel for s in specs]
+    plan = Plan(list(specs), _checked_ranges(specs, numels, ranges), [], mode, [float(cost(s)) for s in specs])
+    for m, hole in enumerate(plan._holding.holes):  # every matrix must be fully held by someone
+        if hole:
+            lo, hi = plan.ranges.column(m)
+            cover(list(zip(lo, hi)), 0, specs[m])  # raises, naming the first hole
+    nbytes = [4 * n for n in numels]
+    if mode == "replicated":  # every rank computes every matrix: consecutive matrices, `bucket_bytes` each
+        current: list[int] = []
+        size = 0
+        for m in range(len(specs)):
+            if current and size + nbytes[m] > bucket_bytes:
+                plan.buckets.append(Bucket(current, {k: -1 for k in current}))
+                current, size = [], 0
+            current.append(m)
+            size += nbytes[m]
+        if current:
+            plan.buckets.append(Bucket(current, {k: -1 for k in current}))
+    else:
+        plan.buckets = _owner_buckets(plan.costs, nbytes, plan.ranges, bucket_bytes)
+    return plan
+
+
+def _checked_ranges(specs: Sequence[MatrixSpec], numels: Sequence[int], ranges: Sequence[Sequence[Range]]) -> Ranges:
+    """``ranges`` as :class:`Ranges`, each ``0 <= lo <= hi <= numel``, checked in one vectorised pass; the
+    first offending rank and matrix named otherwise."""
+    table = None
+    if all(len(rg) == len(specs) for rg in ranges):
+        try:
+            table = Ranges.of(ranges, len(specs))
+        except (TypeError, ValueError, OverflowError):
+            table = None
+    if table is not None:
+        t = table.table()
+        lo, hi = t[..., 0], t[..., 1]
+        if bool(((0 <= lo) & (lo <= hi) & (hi <= torch.tensor(list(numels), dtype=torch.int64))).all()):
+            return table
     for r, rg in enumerate(ranges):
         if len(rg) != len(specs):
             raise ValueError(f"swan_dist: rank {r} reports {len(rg)} matrices, expected {len(specs)}")
         for spec, n, (lo, hi) in zip(specs, numels, rg):
             if not 0 <= lo <= hi <= n:
                 raise ValueError(f"swan_dist: rank {r} holds invalid range [{lo}, {hi}) of {spec.key!r} ({n} elements)")
-    costs = [float(cost(s)) for s in specs]
-    nbytes = [4 * n for n in numels]
-    if mode == "replicated":  # every rank computes every matrix: consecutive matrices, `bucket_bytes` each
-        buckets: list[Bucket] = []
-        current: list[int] = []
-        size = 0
-        for m in range(len(specs)):
-            if current and size + nbytes[m] > bucket_bytes:
-                buckets.append(Bucket(current, {k: -1 for k in current}))
-                current, size = [], 0
-            current.append(m)
-            size += nbytes[m]
-        if current:
-            buckets.append(Bucket(current, {k: -1 for k in current}))
-    else:
-        buckets = _owner_buckets(costs, nbytes, ranges, bucket_bytes)
-    for m, spec in enumerate(specs):  # every matrix must be fully held by someone (cover() names the hole)
-        pos = 0
-        for lo, hi in sorted(rg[m] for rg in ranges):
-            if lo > pos:
-                break
-            pos = max(pos, hi)
-        if pos < numels[m]:
-            cover([rg[m] for rg in ranges], 0, spec)
-    return Plan(list(specs), [list(rg) for rg in ranges], buckets, mode, costs)
+    raise TypeError("swan_dist: every rank's ranges must be (lo, hi) pairs of ints, one per matrix")
 
 
 # ------------------------------------------------------------------------------- owner planning
@@ -391,8 +554,7 @@ def build_plan(
 Cells = list[list[int]]  # one bucket: its owners' shares, each a list of matrices
 
 
-def _owner_buckets(costs: Sequence[float], nbytes: Sequence[int], ranges: Sequence[Sequence[Range]],
-                   bucket_bytes: int) -> list[Bucket]:
+def _owner_buckets(costs: Sequence[float], nbytes: Sequence[int], ranges: Ranges, bucket_bytes: int) -> list[Bucket]:
     world = len(ranges)
     cap = world * bucket_bytes  # a bucket's full matrices in all; a larger matrix gets a bucket alone
     ms = [m for m in range(len(costs)) if nbytes[m] <= cap]
@@ -404,22 +566,34 @@ def _owner_buckets(costs: Sequence[float], nbytes: Sequence[int], ranges: Sequen
                   _split_owner_lists(ms, costs, nbytes, world, bucket_bytes),
                   _consecutive(ms, costs, nbytes, world, bucket_bytes)]
     cut = min((c for c in candidates if c is not None), key=lambda bs: (_slowest(bs, costs), len(bs)))
-    held = lambda r, m: ranges[r][m][1] - ranges[r][m][0]  # noqa: E731
+    t = ranges.table()
+    held = (t[..., 1] - t[..., 0]).T.contiguous()  # held[m][r]: elements of m rank r holds
     out, total = [], [0.0] * world
+    loads = torch.zeros(world, dtype=torch.float64)  # `total` as a tensor, the same floats
     for cells in cut:
         owners: dict[int, int] = {}
-        free = list(range(world))
+        free = torch.ones(world, dtype=torch.bool)
         for cell in sorted(cells, key=lambda c: (-sum(costs[m] for m in c), min(c))):
             # the rank already holding most of it, then the least loaded so far, then the lowest
-            r = max(free, key=lambda r: (sum(held(r, m) for m in cell), -total[r], -r))
-            free.remove(r)
+            r = _pick(held[cell[0]] if len(cell) == 1 else held[cell].sum(0), loads, free)
+            free[r] = False
             total[r] += sum(costs[m] for m in cell)
+            loads[r] = total[r]
             owners.update((m, r) for m in cell)
         out.append(Bucket(sorted(owners), {m: owners[m] for m in sorted(owners)}))
     for m in alone:
-        r = max(range(world), key=lambda r: (held(r, m), -r))
-        out.append(Bucket([m], {m: r}))
+        out.append(Bucket([m], {m: _pick(held[m], torch.zeros(world, dtype=torch.float64), None)}))
     return out
+
+
+def _pick(score: Tensor, load: Tensor, free: Tensor | None) -> int:
+    """The rank (among ``free``) with the highest score, then the lowest load, then the lowest index:
+    ``max(free, key=lambda r: (score[r], -load[r], -r))`` over tensors of all ranks."""
+    if free is not None:
+        score = score.masked_fill(~free, -1)  # scores (elements held) are >= 0
+    best = score == score.max()
+    load = load.masked_fill(~best, math.inf)
+    return int(torch.nonzero(load == load.min())[0, 0])
 
 
 def _slowest(buckets: Sequence[Cells], costs: Sequence[float]) -> float:
@@ -500,15 +674,21 @@ def _consecutive(ms: Sequence[int], costs: Sequence[float], nbytes: Sequence[int
     out: list[Cells] = []
     for group in groups:
         load, used, cells = [0.0] * world, [0] * world, [[] for _ in range(world)]
+        heap = [(0.0, i) for i in range(world)]  # (load, cell): the least loaded cell first
         for m in sorted(group, key=lambda m: (-costs[m], m)):
-            room = [i for i in range(world)
-                    if (used[i] + nbytes[m] <= cell_bytes if nbytes[m] <= cell_bytes else not cells[i])]
-            if not room:
+            full = []  # cells without room for m, popped past on the way to the first with room
+            while heap:
+                _, i = heapq.heappop(heap)
+                if used[i] + nbytes[m] <= cell_bytes if nbytes[m] <= cell_bytes else not cells[i]:
+                    break
+                full.append((load[i], i))
+            else:
                 return None
-            i = min(room, key=lambda i: (load[i], i))
             load[i] += costs[m]
             used[i] += nbytes[m] if nbytes[m] <= cell_bytes else cell_bytes + 1
             cells[i].append(m)
+            for entry in (*full, (load[i], i)):
+                heapq.heappush(heap, entry)
         out.append([c for c in cells if c])
     return out
 
@@ -592,6 +772,141 @@ class _Step:
     moves: tuple[bool, bool]  # whether any rank sends gradients / updates (else no rank issues that collective)
 
 
+class _Holders:
+    """Who holds one matrix, arranged so that :func:`cover` for any rank costs about its pieces, not W
+    per position: the holders' nonempty ranges sorted by start with the furthest-reaching one over each
+    prefix (the best source at a position is one bisection away), and the *base* cover, the one of a
+    rank holding nothing. A rank's cover is the base one but around its own range: it follows the base
+    up to the base position at or before its range's start and rejoins it at the first base position
+    at or after its range's end. Of ranks holding the same range only the lowest is ever a source, so
+    replicas (HSDP, DDP) count once. Ranges that tile the matrix are their own base cover."""
+
+    def __init__(self, n: int, los: Sequence[int], his: Sequence[int], tiles: bool = False) -> None:
+        self.reach: list[tuple[int, int]] | None = None  # per prefix of `starts`: max (hi, -rank); None for tiles
+        if tiles:
+            self.base_rank = sorted((r for r in range(len(los)) if his[r] > los[r]), key=los.__getitem__)
+            self.base = [los[r] for r in self.base_rank] + [n]
+        else:
+            lowest = dict(zip(zip(reversed(los), reversed(his)), range(len(los) - 1, -1, -1)))  # range -> lowest rank
+            order = sorted((lo, r, hi) for (lo, hi), r in lowest.items() if hi > lo)
+            self.starts, self.reach, best = [lo for lo, _, _ in order], [], (-1, 0)
+            for _, r, hi in order:
+                best = max(best, (hi, -r))
+                self.reach.append(best)
+            self.base, self.base_rank, pos = [0], [], 0  # base positions q_0 = 0 < ... < q_K = n; piece k's rank
+            while pos < n:
+                pos, r = self.best(pos)
+                self.base.append(pos)
+                self.base_rank.append(r)
+        self._pieces_of: dict[int, list[int]] = {}
+
+    def best(self, pos: int) -> tuple[int, int]:
+        """``(hi, rank)`` of the holder of ``pos`` whose range reaches furthest (lowest rank on ties)."""
+        if self.reach is None:  # tiles: the one range holding pos
+            k = bisect.bisect_right(self.base, pos) - 1
+            if 0 <= k < len(self.base_rank):
+                return self.base[k + 1], self.base_rank[k]
+        else:
+            i = bisect.bisect_right(self.starts, pos) - 1
+            if i >= 0 and self.reach[i][0] > pos:
+                return self.reach[i][0], -self.reach[i][1]
+        raise ValueError(f"swan_dist: no rank holds element {pos}")
+
+    def _base_index(self, pos: int) -> int:
+        """The base position ``pos`` is (its index), or -1."""
+        k = bisect.bisect_left(self.base, pos)
+        return k if k < len(self.base) and self.base[k] == pos else -1
+
+    def _base_pieces(self, start: int, stop: int, src: int | None) -> list[tuple[int, int, int]]:
+        """Base pieces ``start <= k < stop`` as ``(rank, lo, hi)``, only ``src``'s where given."""
+        if src is None:
+            ks: Sequence[int] = range(start, stop)
+        else:
+            if src not in self._pieces_of:
+                self._pieces_of[src] = [k for k, r in enumerate(self.base_rank) if r == src]
+            mine = self._pieces_of[src]
+            ks = mine[bisect.bisect_left(mine, start): bisect.bisect_left(mine, stop)]
+        return [(self.base_rank[k], self.base[k], self.base[k + 1]) for k in ks]
+
+    def cover(self, dst: int, own: Range, src: int | None = None) -> list[tuple[int, int, int]]:
+        """``cover(ranges, dst, spec)`` for ``dst`` holding ``own``; only the pieces from ``src`` where given.
+        Between the two base positions around ``own`` it walks as :func:`cover` does."""
+        a, b = own
+        k = bisect.bisect_right(self.base, a) - 1
+        out = self._base_pieces(0, k, src)
+        pos = self.base[k]
+        while True:
+            if pos >= b and (k := self._base_index(pos)) >= 0:  # past own, back on the base cover
+                return out + self._base_pieces(k, len(self.base) - 1, src)
+            if a <= pos < b:
+                if src is None or src == dst:
+                    out.append((dst, pos, b))
+                pos = b
+                continue
+            hi, r = self.best(pos)
+            end = a if pos < a < hi else hi
+            if src is None or src == r:
+                out.append((r, pos, end))
+            pos = end
+
+
+class _Sources:
+    """The covers one rank's exchange needs, from the plan's ranges: the whole cover of each matrix it
+    computes, and its own pieces of the covers of the matrices others compute. Ranges that tile a matrix
+    (FSDP, ZeRO) need no search for the latter: a holder's piece of any cover is its whole range."""
+
+    def __init__(self, plan: Plan, rank: int) -> None:
+        self.plan, self.rank = plan, rank
+        self.tiles = plan._holding.tiles
+        self._last: tuple[int, _Holders] | None = None  # the matrix asked about last (a step asks matrix by matrix)
+
+    def holders(self, m: int) -> _Holders:
+        if self._last is None or self._last[0] != m:
+            self._last = (m, _Holders(self.plan.specs[m].numel, *self.plan.ranges.column(m), self.tiles[m]))
+        return self._last[1]
+
+    def cover(self, m: int, dst: int) -> list[tuple[int, int, int]]:
+        """``cover`` of matrix ``m`` for ``dst``: ``(rank, lo, hi)`` pieces in order."""
+        return self.holders(m).cover(dst, self.plan.ranges.at(dst, m))
+
+    def sent(self, m: int, dst: int, own: Range | None = None) -> list[Segment]:
+        """This rank's pieces of the cover of matrix ``m`` for ``dst``, another rank (holding ``own``)."""
+        a, b = self.plan.ranges.at(dst, m) if own is None else own
+        if not self.tiles[m]:
+            return [(m, lo, hi) for _, lo, hi in self.holders(m).cover(dst, (a, b), self.rank)]
+        lo, hi = self.plan.ranges.at(self.rank, m)
+        if hi <= lo:
+            return []
+        # the only holder of its elements; cut only where dst's empty range sits inside it (see cover)
+        return [(m, lo, a), (m, a, hi)] if a == b and lo < a < hi else [(m, lo, hi)]
+
+    def sent_to_each(self, m: int) -> list[tuple[int, list[Segment]]]:
+        """``(dst, sent(m, dst))`` for every other rank ``dst`` this rank sends some of ``m`` (replicated
+        mode: every rank computes every matrix). What this rank sends depends on ``dst`` only through
+        ``dst``'s range, so each distinct range is worked out once (replicas, DDP)."""
+        los, his = self.plan.ranges.column(m)
+        lo, hi = los[self.rank], his[self.rank]
+        if self.tiles[m]:
+            if hi <= lo:
+                return []
+            whole = [(m, lo, hi)]
+            return [(dst, [(m, lo, a), (m, a, hi)] if a == b and lo < a < hi else whole)
+                    for dst, (a, b) in enumerate(zip(los, his)) if dst != self.rank]
+        out, known = [], {}
+        for dst, own in enumerate(zip(los, his)):
+            if dst != self.rank:
+                if own not in known:
+                    known[own] = self.sent(m, dst, own)
+                if known[own]:
+                    out.append((dst, known[own]))
+        return out
+
+    def holding(self, m: int) -> list[int]:
+        """The ranks holding some of matrix ``m``, in rank order."""
+        lo, hi = self.plan.ranges.column(m)
+        return [r for r, (a, b) in enumerate(zip(lo, hi)) if b > a]
+
+
 class Exchange:
     """Runs a :class:`Plan` on this rank: gradients to owners, the per-matrix computation, updates back.
 
@@ -630,7 +945,9 @@ class Exchange:
         self.dtypes, self.compute = list(dtypes), compute
         self.bytes_sent = 0  # by this rank, both directions, since construction
         self.failure: BaseException | None = None  # what failed here in the last run (see run)
-        self._steps = [self._step(Bucket(ms, b.owners), stack_bytes)
+        self._mine = list(plan.ranges[rank])  # this rank's (lo, hi) per matrix
+        sources = _Sources(plan, rank)
+        self._steps = [self._step(Bucket(ms, b.owners), stack_bytes, sources)
                        for b in plan.buckets for ms in self._phases(b, phase_bytes, max_phases)]
 
     def _phases(self, bucket: Bucket, phase_bytes: int | None, max_phases: int) -> list[list[int]]:
@@ -661,23 +978,54 @@ class Exchange:
 
     def _moves(self, matrices: Sequence[int], bucket: Bucket) -> tuple[bool, bool]:
         """Whether any rank sends anything (gradients, updates) for these matrices: where nothing moves in
-        a direction on any rank (DDP in replicated mode), no rank issues that collective."""
-        plan, fwd, bwd = self.plan, False, False
+        a direction on any rank (DDP in replicated mode), no rank issues that collective. Gradients move
+        unless every computing rank holds the whole matrix; updates move where an owner is not the only
+        holder."""
+        plan, held, fwd, bwd = self.plan, self.plan._holding, False, False
         for m in matrices:
-            n, computers = plan.specs[m].numel, set(plan.computers(m, bucket))
-            fwd = fwd or n > 0 and any(tuple(plan.ranges[c][m]) != (0, n) for c in computers)
-            bwd = bwd or any(hi > lo for r, (lo, hi) in enumerate(rg[m] for rg in plan.ranges) if r not in computers)
+            n, o = plan.specs[m].numel, bucket.owners[m]
+            if o == -1:
+                fwd = fwd or n > 0 and held.whole[m] < plan.world
+            else:
+                lo, hi = plan.ranges.at(o, m)
+                fwd = fwd or n > 0 and (lo, hi) != (0, n)
+                bwd = bwd or held.holders[m] > (hi > lo)
             if fwd and bwd:
                 break
         return fwd, bwd
 
-    def _step(self, b: Bucket, stack_bytes: int | None) -> _Step:
+    def _step(self, b: Bucket, stack_bytes: int | None, sources: _Sources) -> _Step:
+        """This rank's part of one exchange each way, built from the covers it is part of (the segments
+        :meth:`Plan.forward_segments` and :meth:`Plan.backward_segments` define, without asking them for
+        every pair of ranks): per peer, segments in bucket order, each matrix's in cover order."""
         plan, rank, w = self.plan, self.rank, self.plan.world
-        send = [plan.forward_segments(b, rank, d) for d in range(w)]
-        recv = [plan.forward_segments(b, s, rank) for s in range(w)]
-        bsend = [plan.backward_segments(b, rank, d) for d in range(w)]
-        brecv = [plan.backward_segments(b, s, rank) for s in range(w)]
-        size = lambda segs: sum(hi - lo for _, lo, hi in segs)  # noqa: E731
+        send: list[list[Segment]] = [[] for _ in range(w)]  # gradients to each rank
+        recv: list[list[Segment]] = [[] for _ in range(w)]  # gradients from each rank
+        bsend: list[list[Segment]] = [[] for _ in range(w)]  # updates to each rank
+        brecv: list[list[Segment]] = [[] for _ in range(w)]  # updates from each rank
+        own: dict[int, list[Range]] = {}
+        for m in b.matrices:
+            o = b.owners[m]
+            if o in (-1, rank):
+                own[m] = []
+                for r, lo, hi in sources.cover(m, rank):
+                    if r == rank:
+                        own[m].append((lo, hi))
+                    else:
+                        recv[r].append((m, lo, hi))
+            if o == -1:
+                for d, segs in sources.sent_to_each(m):
+                    send[d] += segs
+            elif o != rank:
+                send[o] += sources.sent(m, o)
+                lo, hi = self._mine[m]
+                if hi > lo:
+                    brecv[o].append((m, lo, hi))
+            else:
+                for d in sources.holding(m):
+                    if d != rank:
+                        bsend[d].append((m, *plan.ranges.at(d, m)))
+        size = lambda segs: sum(hi - lo for _, lo, hi in segs) if segs else 0  # noqa: E731
 
         def at(per_rank: list[list[Segment]]) -> dict[int, list[tuple[int, int, int]]]:
             out: dict[int, list[tuple[int, int, int]]] = {}
@@ -688,11 +1036,8 @@ class Exchange:
                     offset += hi - lo
             return out
 
-        mine = [m for m in b.matrices if plan.computes(rank, m, b)]
-        own = {m: [(lo, hi) for r, lo, hi in cover([rg[m] for rg in plan.ranges], rank, plan.specs[m]) if r == rank]
-               for m in mine}
         groups: dict[tuple, list[int]] = {}
-        for m in mine:
+        for m in own:
             spec = plan.specs[m]
             groups.setdefault((spec.shape, spec.cfg, spec.split), []).append(m)
         stacks = []
@@ -734,8 +1079,7 @@ class Exchange:
         and hands back nothing more, fills what it owed its peers with NaN (the flag they skip those
         updates by) and still issues every collective of the step, so that no peer waits for it; the
         caller announces the failure to every rank."""
-        plan, me = self.plan, self.rank
-        my = plan.ranges[me]
+        my = self._mine
         self.failure: BaseException | None = None
 
         def grad_piece(m: int, lo: int, hi: int) -> Tensor:
@@ -769,7 +1113,7 @@ class Exchange:
         """One phase's computation on this rank: its stacks assembled (what it holds while the gradients
         travel, then the received rest), computed, its own pieces handed to ``on_update`` and its peers'
         written into the returned send buffer; and the number of matrices whitened."""
-        my, whitened, stacks = self.plan.ranges[self.rank], 0, []
+        my, whitened, stacks = self._mine, 0, []
         try:
             if self.failure is None:
                 stacks = [(ms, self._own_part(st, ms, grads)) for ms in
@@ -805,7 +1149,7 @@ class Exchange:
         what this rank holds written from its gradients (the rest comes from the received buffer); a
         matrix alone that this rank holds whole, contiguous and in fp32: a view of its gradient."""
         numel = self.plan.specs[ms[0]].numel
-        my = self.plan.ranges[self.rank]
+        my = self._mine
         if len(ms) == 1:
             g = grads[ms[0]]
             if (g is not None and st.own[ms[0]] == [(0, numel)] and g.dtype == torch.float32
