@@ -29,7 +29,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from swan_dist.functional import WhitenConfig
-from swan_dist.routing import Exchange, MatrixSpec, build_plan
+from swan_dist.routing import Exchange, MatrixSpec, build_plan, row_shard_ranges
 
 from _report import write_section  # noqa: E402 (benchmarks/ is the script's folder)
 
@@ -42,17 +42,6 @@ def llama_specs(name: str, cfg: WhitenConfig) -> list[MatrixSpec]:
     dim, ffn, layers = LLAMA[name]
     shapes = [(dim, dim)] * 4 + [(ffn, dim), (dim, ffn), (ffn, dim)]
     return [MatrixSpec(f"l{i}.{j}", s, cfg) for i in range(layers) for j, s in enumerate(shapes)]
-
-
-def _row_ranges(specs: list[MatrixSpec], world: int) -> list[list[tuple[int, int]]]:
-    """Every rank's range of every matrix under FSDP2-style torch.chunk row shards."""
-    ranges = [[(0, 0)] * len(specs) for _ in range(world)]
-    for m, s in enumerate(specs):
-        per = -(-s.shape[0] // world)
-        for r in range(world):
-            lo, hi = min(r * per, s.shape[0]), min((r + 1) * per, s.shape[0])
-            ranges[r][m] = (lo * s.shape[1], hi * s.shape[1])
-    return ranges
 
 
 def best_split(costs: list[float], world: int) -> float | None:
@@ -111,7 +100,7 @@ def planner_table(bucket_mb: float) -> str:
         for label, cfg in PRESETS.items():
             specs = llama_specs(name, cfg)
             for world in (8, 64, 512):
-                plan = build_plan(specs, _row_ranges(specs, world), bucket_bytes=int(bucket_mb * 2**20))
+                plan = build_plan(specs, row_shard_ranges(specs, world), bucket_bytes=int(bucket_mb * 2**20))
                 cost = plan.slowest()
                 per_bucket, whole = plan.bounds()
                 best = best_split(plan.costs, world)

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import math
 import time
 import tracemalloc
 from dataclasses import dataclass
@@ -41,7 +40,7 @@ import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from swan_dist.functional import WhitenConfig
-from swan_dist.routing import Exchange, MatrixSpec, Plan, build_plan
+from swan_dist.routing import Exchange, MatrixSpec, Plan, build_plan, row_shard_ranges
 
 from _report import write_section  # noqa: E402 (benchmarks/ is the script's folder)
 
@@ -69,16 +68,6 @@ MODELS: dict[str, Callable[[], list[MatrixSpec]]] = {
 }
 
 
-def row_shards(specs: list[MatrixSpec], world: int) -> list[list[tuple[int, int]]]:
-    """Every rank's range under FSDP2's torch.chunk along dim 0 (an expert stack: whole experts)."""
-    out = [[(0, 0)] * len(specs) for _ in range(world)]
-    for m, s in enumerate(specs):
-        row, per = math.prod(s.shape[1:]), -(-s.shape[0] // world)
-        for r in range(world):
-            out[r][m] = (min(r * per, s.shape[0]) * row, min((r + 1) * per, s.shape[0]) * row)
-    return out
-
-
 @dataclass(frozen=True)
 class Layout:
     """Who holds what: row shards over ``shard`` ranks (replicated across the W / shard groups), the
@@ -89,7 +78,7 @@ class Layout:
     group: int
 
     def ranges(self, specs: list[MatrixSpec]) -> list[list[tuple[int, int]]]:
-        rows = row_shards(specs, self.shard)
+        rows = row_shard_ranges(specs, self.shard)
         return [rows[r % self.shard] for r in range(self.group)]
 
 
@@ -184,7 +173,7 @@ def measure(model: str, specs: list[MatrixSpec], world: int, layout: Layout, gro
 def run(worlds: tuple[int, ...], bucket_bytes: int) -> list[Row]:
     torch.set_num_threads(1)
     warm = llama(1, 64, 64, 172)
-    Exchange(build_plan(warm, row_shards(warm, 4)), 0, None, META, [DTYPE] * len(warm))
+    Exchange(build_plan(warm, row_shard_ranges(warm, 4)), 0, None, META, [DTYPE] * len(warm))
     rows = []
     for world in worlds:
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
@@ -232,7 +221,7 @@ def bucket_table(worlds: tuple[int, ...]) -> str:
     for model in ("LLaMA-70B", "MoE 64x"):
         specs = MODELS[model]()
         for world in worlds:
-            plans = [build_plan(specs, row_shards(specs, world), bucket_bytes=mb << 20) for mb in BUCKET_MBS]
+            plans = [build_plan(specs, row_shard_ranges(specs, world), bucket_bytes=mb << 20) for mb in BUCKET_MBS]
             lines.append(f"| {model} | {world} | " + " | ".join(
                 f"{len(p.buckets)}, {p.slowest() / p.bounds()[1]:.2f}" for p in plans) + " |")
     return "\n".join(lines)

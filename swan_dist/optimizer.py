@@ -87,6 +87,13 @@ def _rank0() -> bool:
     return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
 
 
+def _exchange_device(pieces: list, group: dist.ProcessGroup | None) -> torch.device:
+    """The exchange's device, from the group's real backend and the devices the pieces are on."""
+    devices = list(dict.fromkeys(pc.param.device for pc in pieces))
+    current = {"cuda": torch.cuda.current_device()} if torch.cuda.is_available() else {}
+    return comm_device(str(dist.get_backend(group)), devices, current)
+
+
 class SWAN(torch.optim.Optimizer):
     """SWAN: SGD with Whitening And Normalization (arXiv 2412.13148).
 
@@ -318,7 +325,7 @@ class SWAN(torch.optim.Optimizer):
 
     def _step(self, entries: list[Entry], failure: Exception | None, world: int, group) -> None:
         pieces = [e.piece for e in entries]
-        device = self._comm_device(pieces) if world > 1 else None
+        device = _exchange_device(pieces, self.process_group) if world > 1 else None
         flags, key = agree(self, entries, failure, world, group, device)
         skip = skipped(entries, flags, self.nonfinite_skips)
         nonfinite: list[str] = []
@@ -386,9 +393,3 @@ class SWAN(torch.optim.Optimizer):
         if self.mode == "auto":
             return "owner" if world > 1 else "local"
         return self.mode
-
-    def _comm_device(self, pieces: list) -> torch.device:
-        """The exchange's device, from the group's real backend and the devices the pieces are on."""
-        devices = list(dict.fromkeys(pc.param.device for pc in pieces))
-        current = {"cuda": torch.cuda.current_device()} if torch.cuda.is_available() else {}
-        return comm_device(str(dist.get_backend(self.process_group)), devices, current)

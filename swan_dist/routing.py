@@ -36,7 +36,7 @@ from torch import Tensor
 
 from .functional import WhitenConfig, swan_update, whiten_flops
 
-__all__ = ["Layout", "ROW_MAJOR", "MatrixSpec", "Plan", "Bucket", "Ranges", "build_plan", "cover", "Exchange", "Segment",
+__all__ = ["Layout", "ROW_MAJOR", "MatrixSpec", "Plan", "Bucket", "Ranges", "build_plan", "row_shard_ranges", "cover", "Exchange", "Segment",
            "swan_compute", "update_canonical", "swan_cost", "split_rows", "matrices_in", "part_shapes"]
 
 Range = tuple[int, int]
@@ -460,6 +460,18 @@ class Plan:
                     lo, hi = self.ranges.at(o, m)
                     total += n - (hi - lo) + total_held[m] - (hi - lo)
         return total * elem_bytes
+
+
+def row_shard_ranges(specs: Sequence[MatrixSpec], world: int) -> list[list[Range]]:
+    """Every rank's range of every matrix under FSDP2's ``torch.chunk`` along dim 0: rank r holds rows
+    ``[r * ceil(m / W), ...)`` (an expert stack: whole experts), empty past the end. The layout the
+    planner's tests and benchmarks use."""
+    out = [[(0, 0)] * len(specs) for _ in range(world)]
+    for m, s in enumerate(specs):
+        row, per = math.prod(s.shape[1:]), -(-s.shape[0] // world)
+        for r in range(world):
+            out[r][m] = (min(r * per, s.shape[0]) * row, min((r + 1) * per, s.shape[0]) * row)
+    return out
 
 
 def cover(ranges: Sequence[Range], dst: int, spec: MatrixSpec) -> list[tuple[int, int, int]]:

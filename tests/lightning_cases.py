@@ -16,8 +16,6 @@ loader on resume); the single-process reference trains the same module on the wh
 
 from __future__ import annotations
 
-import os
-
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy

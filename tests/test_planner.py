@@ -12,21 +12,13 @@ import sys
 import pytest
 
 from swan_dist.functional import WhitenConfig
-from swan_dist.routing import MatrixSpec, build_plan
+from swan_dist.routing import MatrixSpec, build_plan, row_shard_ranges
 
 NSDS = WhitenConfig()
 NS = WhitenConfig(method="ns", steps=5, beta=0.8)
 
 
-def _row_ranges(specs, world):
-    """FSDP2-style torch.chunk row shards of every matrix, per rank."""
-    out = [[(0, 0)] * len(specs) for _ in range(world)]
-    for m, s in enumerate(specs):
-        row = s.numel // s.shape[0]
-        per = -(-s.shape[0] // world)
-        for r in range(world):
-            out[r][m] = (min(r * per, s.shape[0]) * row, min((r + 1) * per, s.shape[0]) * row)
-    return out
+_row_ranges = row_shard_ranges
 
 
 def _llama_like(cfg, layers=32, dim=64, ffn=172):

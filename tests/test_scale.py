@@ -6,7 +6,6 @@ exchange for LLaMA-70B's matrices at W = 1,024 stays fast and small (a regressio
 
 from __future__ import annotations
 
-import math
 import random
 import time
 
@@ -14,7 +13,8 @@ import pytest
 import torch
 
 from swan_dist.functional import WhitenConfig
-from swan_dist.routing import (Bucket, Exchange, MatrixSpec, Plan, Ranges, _Holders, _Step, build_plan, cover)
+from swan_dist.routing import (Bucket, Exchange, MatrixSpec, Plan, Ranges, _Holders, _Step, build_plan, cover,
+                               row_shard_ranges)
 
 NSDS = WhitenConfig()
 NS = WhitenConfig(method="ns", steps=5, beta=0.8)
@@ -69,16 +69,6 @@ def _reference_step(plan: Plan, rank: int, b: Bucket, stack_bytes, dtypes) -> _S
 
 
 # ---------------------------------------------------------------------------------------- layouts
-def _rows(specs, world):
-    """FSDP2 row shards: rank r holds rows [r * ceil(m / W), ...) of each matrix (empty past the end)."""
-    out = [[(0, 0)] * len(specs) for _ in range(world)]
-    for m, s in enumerate(specs):
-        row, per = math.prod(s.shape[1:]), -(-s.shape[0] // world)
-        for r in range(world):
-            out[r][m] = (min(r * per, s.shape[0]) * row, min((r + 1) * per, s.shape[0]) * row)
-    return out
-
-
 def _random(specs, world, rng):
     """Some ranks tile each matrix at random cut points (empty pieces included); every other rank holds
     an arbitrary range: overlapping, whole, or empty anywhere (inside another rank's piece too)."""
@@ -97,11 +87,11 @@ def _random(specs, world, rng):
 
 def _layout(kind, specs, world, rng):
     if kind == "rows":
-        return _rows(specs, world)
+        return row_shard_ranges(specs, world)
     if kind == "whole":  # DDP: every rank holds everything
         return [[(0, s.numel) for s in specs] for _ in range(world)]
     if kind == "hsdp":  # shard groups of 2 ranks, replicated across them
-        return [_rows(specs, 2)[r % 2] for r in range(world)] if world > 1 else _rows(specs, 1)
+        return [row_shard_ranges(specs, 2)[r % 2] for r in range(world)] if world > 1 else row_shard_ranges(specs, 1)
     if kind == "zero":  # each matrix whole on one rank, nothing elsewhere
         return [[(0, s.numel) if m % world == r else (0, 0) for m, s in enumerate(specs)] for r in range(world)]
     return _random(specs, world, rng)
@@ -214,7 +204,7 @@ def test_llama_70b_at_w_1024_is_fast_and_small():
     shapes = [(8192, 8192), (1024, 8192), (1024, 8192), (8192, 8192), (28672, 8192), (28672, 8192), (8192, 28672)]
     specs = [MatrixSpec(f"l{i}.{j}", s, NSDS) for i in range(80) for j, s in enumerate(shapes)]
     world = 1024
-    ranges = _rows(specs, world)
+    ranges = row_shard_ranges(specs, world)
     start = time.perf_counter()
     plan = build_plan(specs, ranges)
     ex = Exchange(plan, 517, None, CPU, [torch.bfloat16] * len(specs))
