@@ -134,8 +134,9 @@ def zero3_pieces(originals: list[tuple[str, Tensor]], flat: Tensor, group) -> li
                 f"swan_dist: ZeRO-3 partitions {name!r} over {dist.get_world_size(pg)} ranks but SWAN's "
                 f"process_group has {world}; pass SWAN(process_group=...) ZeRO's partition group"
             )
-        lo = (dist.get_rank(pg) if world > 1 else 0) * size
-        n = max(0, min(size, p.ds_numel - lo))
+        # a partition past the end (W > numel / ceil(numel / W): padding only) holds nothing
+        lo = min((dist.get_rank(pg) if world > 1 else 0) * size, p.ds_numel)
+        n = min(size, p.ds_numel - lo)
         out.append(flat_piece(name, p.ds_shape, lo, flat, offset, n))
         offset += size
     return out

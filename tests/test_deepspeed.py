@@ -166,10 +166,11 @@ def test_json_errors_name_the_bad_key():
     assert bad[0][0] == "error" and "momentum" in bad[0][3]
 
 
-@pytest.mark.parametrize("world,stage", [(1, 3), (4, 2), (4, 3)])
+@pytest.mark.parametrize("world,stage", [(1, 3), (4, 2), (4, 3), (8, 3)])
 def test_other_world_sizes_equal_single_process(world, stage):
     """W=1, and W=4 where ZeRO-2's flat partitions and ZeRO-3's per-parameter partitions (ceil(numel/4),
-    padded: a 2x7 matrix is 4+4+4+2) cut every matrix unevenly."""
+    padded: a 2x7 matrix is 4+4+4+2) cut every matrix unevenly; ZeRO-3 at W=8, where the 2x7 matrix is
+    7 pieces of 2 and an empty one."""
     res = run_distributed(_ds_worker, world, stage, 1, 2, PARAMS, timeout=380)
     ref = _reference(world, 1, 2)
     for weights, *_ in res:

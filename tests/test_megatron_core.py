@@ -84,6 +84,7 @@ JOBS = {
     "dp2": (2, 1, 1, [{"distopt": True}, {"distopt": True, "overlap": True, "micro": 4},
                       {**BF16, "distopt": True, "micro": 2}]),
     "tp2xdp2": (4, 2, 1, [{"distopt": True, "micro": 2}]),
+    "tp2xdp4": (8, 2, 1, [{"distopt": True, "micro": 2}]),  # W=8
     "pp2": (2, 1, 2, [{"micro": 4}]),  # 4 micro-batches on 2 stages: the 1F1B schedule
     "pp2xdp2": (4, 1, 2, [{"distopt": True, "overlap": True, "micro": 4}]),
 }
@@ -149,6 +150,16 @@ def test_tp2_x_dp2_distributed_optimizer_equals_single_process():
     _assert_equal_to_reference(res)
     _assert_whitened_once_per_step(res)
     assert all(r["group"] == [0, 1, 2, 3] for r in res)
+
+
+def test_tp2_x_dp4_distributed_optimizer_at_eight_ranks_equals_single_process():
+    """W=8: the distributed optimizer's buffer split 4 ways inside each TP rank's DP group (uneven
+    shards of every matrix), one owner per matrix over all 8 ranks."""
+    (res,) = _job("tp2xdp4")
+    assert len(res) == 8 and res[0]["kinds"] == ["SwanDistributedOptimizer"]
+    _assert_equal_to_reference(res)
+    _assert_whitened_once_per_step(res)
+    assert all(r["group"] == list(range(8)) for r in res)
 
 
 @pytest.mark.parametrize("name", ["pp2", "pp2xdp2"])
