@@ -623,11 +623,10 @@ class _Cell:
 
 @dataclass
 class _Level:
-    """A bucket being filled: its highest cell, its bytes, its cells, and the ids of its cells by
-    (load, used) state (cells in the same state are interchangeable)."""
+    """A bucket being filled: its highest cell, its cells, and the ids of its cells by (load, used)
+    state (cells in the same state are interchangeable)."""
 
     height: float
-    total: int
     cells: list[_Cell]
     states: dict[tuple[float, int], list[int]]
 
@@ -643,8 +642,6 @@ def _fill_levels(ms: Sequence[int], costs: Sequence[float], nbytes: Sequence[int
         c, n = costs[m], nbytes[m]
         best = None
         for k, level in enumerate(levels):
-            if level.total + n > world * cell_bytes:
-                continue
             for load, used in level.states:
                 if (used + n > cell_bytes) if n <= cell_bytes else used:
                     continue
@@ -652,7 +649,7 @@ def _fill_levels(ms: Sequence[int], costs: Sequence[float], nbytes: Sequence[int
                 if best is None or key < best[0]:
                     best = (key, k, (load, used))
         if best is None:
-            levels.append(_Level(0.0, 0, [_Cell() for _ in range(world)], {(0.0, 0): list(range(world))}))
+            levels.append(_Level(0.0, [_Cell() for _ in range(world)], {(0.0, 0): list(range(world))}))
             k, state = len(levels) - 1, (0.0, 0)
         else:
             _, k, state = best
@@ -665,7 +662,7 @@ def _fill_levels(ms: Sequence[int], costs: Sequence[float], nbytes: Sequence[int
         cell.load += c
         cell.used = cell.used + n if n <= cell_bytes else full
         cell.matrices.append(m)
-        level.height, level.total = max(level.height, cell.load), level.total + n
+        level.height = max(level.height, cell.load)
         ids = level.states.setdefault((cell.load, cell.used), [])
         ids.insert(bisect.bisect(ids, cid), cid)
     return [[cell.matrices for cell in level.cells if cell.matrices] for level in levels]
@@ -678,11 +675,12 @@ def _consecutive(ms: Sequence[int], costs: Sequence[float], nbytes: Sequence[int
     groups: list[list[int]] = []
     size = 0
     for m in ms:
-        if not groups or size + nbytes[m] > world * cell_bytes:
+        n = min(nbytes[m], cell_bytes)  # a larger matrix fills one cell
+        if not groups or size + n > world * cell_bytes:
             groups.append([])
             size = 0
         groups[-1].append(m)
-        size += nbytes[m]
+        size += n
     out: list[Cells] = []
     for group in groups:
         load, used, cells = [0.0] * world, [0] * world, [[] for _ in range(world)]
@@ -745,16 +743,7 @@ def _split_owner_lists(ms: Sequence[int], costs: Sequence[float], nbytes: Sequen
         fitted += 1
         buckets: list[Cells] = []
         for i in range(max(len(c) for c in per_owner)):
-            cells, size = [], 0  # every owner's i-th cell; split where oversize cells exceed the bucket cap
-            for own in per_owner:
-                if i < len(own):
-                    b = sum(nbytes[m] for m in own[i])
-                    if cells and size + b > world * cell_bytes:
-                        buckets.append(cells)
-                        cells, size = [], 0
-                    cells.append(own[i])
-                    size += b
-            buckets.append(cells)
+            buckets.append([own[i] for own in per_owner if i < len(own)])  # every owner's i-th cell
         if best is None or _slowest(buckets, costs) < _slowest(best, costs):
             best = buckets
     return best
