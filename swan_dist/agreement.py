@@ -90,7 +90,7 @@ def agree(opt, entries: list, failure: BaseException | None, world: int, group,
     rank raises the same error. One ``all_reduce`` while nothing changed (:class:`StepAgreement`)."""
     pieces = [e.piece for e in entries]
     codes = grad_codes(pieces, device)
-    if world == 1 or opt._mode(world) == "local":  # code 3: a SWAN matrix held only in part here
+    if world == 1 or opt.mode == "local":  # code 3: a SWAN matrix held only in part here
         part = [i for i, e in enumerate(entries) if e.record.use_swan and not e.piece.whole]
         if part:
             codes[torch.tensor(part, device=codes.device)] = 3

@@ -38,7 +38,7 @@ __all__ = ["SWAN", "FALLBACKS"]
 # Hyper-parameters with a meaning independent of any preset. lr has no default without a preset.
 _BASE = dict(
     alpha=1.0, whitening="nsds", ns_steps=2, beta=0.4, grad_norm="rms", whiten_dtype="auto",
-    weight_decay=0.0, fallback="adamw", betas=(0.9, 0.999), eps=1e-8, nonfinite="skip",
+    weight_decay=0.0, fallback="adamw", betas=(0.9, 0.999), eps=1e-8, nonfinite="skip", fallback_lr=None,
 )
 assert set(_BASE) | {"lr"} == OPTIMIZER_KEYS
 _MODES = ("auto", "owner", "replicated", "local")
@@ -87,6 +87,17 @@ def _rank0() -> bool:
     return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
 
 
+def _world(group: dist.ProcessGroup | None) -> tuple[int, dist.ProcessGroup | None]:
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1, None
+    return dist.get_world_size(group), group
+
+
+def _mode(mode: str, world: int) -> str:
+    """``auto``: owner mode when distributed, local otherwise."""
+    return ("owner" if world > 1 else "local") if mode == "auto" else mode
+
+
 def _exchange_device(pieces: list, group: dist.ProcessGroup | None) -> torch.device:
     """The exchange's device, from the group's real backend and the devices the pieces are on."""
     devices = list(dict.fromkeys(pc.param.device for pc in pieces))
@@ -101,7 +112,8 @@ class SWAN(torch.optim.Optimizer):
         params: an ``nn.Module`` (parameters classified by module type and name), ``named_parameters()``,
             bare tensors, or param-group dicts. A group may set ``use_swan`` to force its rule and any
             hyper-parameter below.
-        lr: global learning rate; SWAN matrices use ``lr * alpha``, fallback parameters ``lr``.
+        lr: global learning rate; SWAN matrices use ``lr * alpha``, fallback parameters ``lr`` (or
+            ``fallback_lr``: the fallback group's starting lr, set apart; schedulers scale it from there).
         preset: ``swan_0``, ``swan_dagger``, ``swan_ddagger`` (default) or a YAML path; ``None`` for
             no preset (then ``lr`` is required). Explicit arguments override the preset.
         alpha: scale on the lr of SWAN-managed matrices.
@@ -150,6 +162,7 @@ class SWAN(torch.optim.Optimizer):
         betas: tuple[float, float] | None = None,
         eps: float | None = None,
         nonfinite: str | None = None,
+        fallback_lr: float | None = None,
         include: Sequence[str] | None = None,
         exclude: Sequence[str] | None = None,
         mode: str = "auto",
@@ -162,7 +175,7 @@ class SWAN(torch.optim.Optimizer):
         self.preset, defaults = _defaults(preset, dict(
             lr=lr, alpha=alpha, whitening=whitening, ns_steps=ns_steps, beta=beta, grad_norm=grad_norm,
             whiten_dtype=whiten_dtype, weight_decay=weight_decay, fallback=fallback, betas=betas,
-            eps=eps, nonfinite=nonfinite, split_fused=split_fused))
+            eps=eps, nonfinite=nonfinite, fallback_lr=fallback_lr, split_fused=split_fused))
         if mode not in _MODES:
             raise ValueError(f"mode must be one of {_MODES}, got {mode!r}")
         if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) or not 0 < bucket_mb < float("inf"):
@@ -245,6 +258,8 @@ class SWAN(torch.optim.Optimizer):
             ps, ns = split[use]
             if ps or (not raw and use):
                 g = {**group, "params": ps, "use_swan": use}
+                if not use and group["fallback_lr"] is not None:
+                    g["lr"] = group["fallback_lr"]
                 if names is not None:
                     g["param_names"] = ns
                 super().add_param_group(g)
@@ -306,7 +321,7 @@ class SWAN(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        world, group = self._world()
+        world, group = _world(self.process_group)
         entries: list[Entry] = []
         try:
             try:
@@ -362,7 +377,7 @@ class SWAN(torch.optim.Optimizer):
             if world == 1:
                 raise
             failure = e
-        if world == 1 or self._mode(world) == "local":
+        if world == 1 or _mode(self.mode, world) == "local":
             mine = [entries[i] for i in swan if i not in skip and entries[i].piece.grad is not None]
             if failure is None:
                 self.whitened_matrices += whiten_local(mine, nonfinite)
@@ -370,7 +385,7 @@ class SWAN(torch.optim.Optimizer):
         if not swan:  # the agreed structure covers the entries: every rank returns here or none does
             return failure
         mine = [entries[i] for i in swan]
-        plan = self._plans.get(key, mine, self._mode(world), self.bucket_mb, group, device)
+        plan = self._plans.get(key, mine, _mode(self.mode, world), self.bucket_mb, group, device)
         whitened, late = self._plans.run(plan, mine, {m for m, i in enumerate(swan) if i in skip}, device,
                                          nonfinite)
         self.whitened_matrices += whitened
@@ -383,13 +398,3 @@ class SWAN(torch.optim.Optimizer):
         buckets, ranges); ``None`` before one, or without ``torch.distributed``. Plans are cached per
         layout and are never state."""
         return self._plans.last
-
-    def _world(self) -> tuple[int, dist.ProcessGroup | None]:
-        if not (dist.is_available() and dist.is_initialized()):
-            return 1, None
-        return dist.get_world_size(self.process_group), self.process_group
-
-    def _mode(self, world: int) -> str:
-        if self.mode == "auto":
-            return "owner" if world > 1 else "local"
-        return self.mode

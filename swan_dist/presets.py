@@ -15,7 +15,7 @@ __all__ = ["config_dir", "list_presets", "load_preset", "OPTIMIZER_KEYS", "SCHED
 OPTIMIZER_KEYS = frozenset(
     {
         "lr", "alpha", "whitening", "ns_steps", "beta", "grad_norm", "whiten_dtype", "weight_decay",
-        "fallback", "betas", "eps", "nonfinite",
+        "fallback", "betas", "eps", "nonfinite", "fallback_lr",
     }
 )
 SCHEDULE_KEYS = frozenset({"warmup_ratio", "min_lr_ratio"})

@@ -71,6 +71,8 @@ def check_group(group: dict) -> None:
         raise TypeError(f"swan_dist: ns_steps must be an int, got {group['ns_steps']!r}")
     _real(group, "beta")
     whiten_config(group)  # raises ValueError naming the bad value
+    if group.get("fallback_lr") is not None:
+        _real(group, "fallback_lr")
     if group["fallback"] not in FALLBACKS:
         raise ValueError(f"fallback must be one of {FALLBACKS}, got {group['fallback']!r}")
     if not isinstance(group.get("split_fused", True), bool):

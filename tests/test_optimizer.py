@@ -123,6 +123,43 @@ def test_step_equals_functional_and_fallback_equals_torch_adamw():
             assert torch.allclose(a, b, atol=1e-6), n
 
 
+def test_fallback_lr_sets_the_fallback_groups_lr_apart_and_schedulers_scale_both():
+    """``fallback_lr``: the fallback rule's own lr (AdamW's steps equal torch's AdamW at that lr), the
+    matrices still at ``lr * alpha``; a scheduler scales each group from its own start; bad values are
+    refused naming the key."""
+    torch.manual_seed(0)
+    model = Toy()
+    ref = copy.deepcopy(model)
+    opt = SWAN(model, lr=0.02, alpha=0.5, fallback_lr=0.003, verbose=False)
+    swan_names = {n for n, _, r, _ in opt._rows if r == "SWAN"}
+    assert sorted((g["use_swan"], g["lr"]) for g in opt.param_groups) == [(False, 0.003), (True, 0.02)]
+    adamw = torch.optim.AdamW([p for n, p in ref.named_parameters() if n not in swan_names], lr=0.003, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 0.5 ** t)
+    ref_sched = torch.optim.lr_scheduler.LambdaLR(adamw, lambda t: 0.5 ** t)
+    x = torch.randint(0, 50, (4, 9))
+    for t in range(3):
+        for m in (model, ref):
+            m.zero_grad()
+            _loss(m, x).backward()
+        expected = {n: p.detach() - 0.02 * 0.5 ** t * 0.5 * swan_update(p.grad)[0]
+                    for n, p in ref.named_parameters() if n in swan_names}
+        opt.step()
+        adamw.step()
+        sched.step()
+        ref_sched.step()
+        with torch.no_grad():
+            for n, p in ref.named_parameters():
+                if n in swan_names:
+                    p.copy_(expected[n])
+        for (n, a), b in zip(model.named_parameters(), ref.parameters()):
+            assert torch.allclose(a, b, atol=1e-6), (t, n)
+    assert sorted((g["use_swan"], g["lr"]) for g in opt.param_groups) == [(False, 0.003 / 8), (True, 0.02 / 8)]
+    for bad, err in ((float("nan"), ValueError), (-1.0, ValueError), ("0.1", TypeError)):
+        with pytest.raises(err, match="fallback_lr"):
+            SWAN(Toy(), lr=0.02, fallback_lr=bad, verbose=False)
+    assert SWAN(Toy(), verbose=False).param_groups[1]["lr"] == SWAN(Toy(), verbose=False).param_groups[0]["lr"]
+
+
 @pytest.mark.parametrize("fallback", ["sign", "sgd"])
 def test_stateless_fallbacks_keep_zero_state(fallback):
     model = Toy()
