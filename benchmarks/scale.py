@@ -276,9 +276,11 @@ def findings(rows: list[Row], bucket_mb: float) -> str:
         f"HSDP is the layout where that is on the table; FSDP has no replica level to split.",
         f"**Buckets.** The critical path meets its per-bucket bound{off_text}. Against the whole-model bound, "
         f"`bucket_mb` decides: a matrix above it (LLaMA-70B's MLP matrices, 896 MiB in fp32; the MoE's expert "
-        f"stacks, 704 MiB) counts in full against a bucket's W x bucket_mb, so few fit in a bucket and the other "
-        f"owners wait (bucket_mb={bucket_mb:g}: up to {worst.slowest / worst.bound:.2f}x, {worst.model} at "
-        f"W = {worst.world}). Per bucket_mb (FSDP, planning only):",
+        f"stacks, 704 MiB) fills its owner's share of a bucket, W of them side by side; where such matrices and "
+        f"those of exactly bucket_mb (LLaMA-70B's 8192 x 8192: 256 MiB) outnumber W, they need more buckets than "
+        f"the bound's even split, which would put more than bucket_mb on some owner (bucket_mb={bucket_mb:g}: up to "
+        f"{worst.slowest / worst.bound:.2f}x, {worst.model} at W = {worst.world}). Per bucket_mb (FSDP, planning "
+        f"only):",
     ])
 
 
