@@ -1,8 +1,11 @@
-"""Write a benchmark's results into its own section of docs/benchmarks.md (other sections kept)."""
+"""Write a benchmark's results into its own section of docs/benchmarks.md (other sections kept), and the
+same results as JSON in docs/results/<section>.json: provenance (date, script, command, commit, host CPU,
+GPU) and every Markdown table of the section as rows of cells, for tools and later comparisons."""
 
 from __future__ import annotations
 
 import datetime
+import json
 import platform
 import re
 import shlex
@@ -39,18 +42,55 @@ def _cpu() -> str:
         return platform.processor() or platform.machine()
 
 
-def stamp() -> str:
-    """When, by which script and command, at which commit, on which CPU the section was measured."""
+def _gpu() -> str | None:
+    """The GPU the measuring process saw (CUDA device 0), or None."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_name(0)
+
+
+def provenance() -> dict[str, str | None]:
     script = Path(sys.argv[0]).name
-    command = " ".join(["python", f"benchmarks/{script}", *map(shlex.quote, sys.argv[1:])])
-    return (f"_Measured {datetime.date.today().isoformat()} by `benchmarks/{script}` (`{command}`), commit "
-            f"{_commit()}, host CPU {_cpu()}._")
+    return {"date": datetime.date.today().isoformat(), "script": f"benchmarks/{script}",
+            "command": " ".join(["python", f"benchmarks/{script}", *map(shlex.quote, sys.argv[1:])]),
+            "commit": _commit(), "cpu": _cpu(), "gpu": _gpu()}
+
+
+def stamp(prov: dict[str, str | None] | None = None) -> str:
+    """When, by which script and command, at which commit, on which CPU (and GPU) the section was measured."""
+    p = prov or provenance()
+    gpu = f", GPU {p['gpu']}" if p["gpu"] else ", no GPU"
+    return (f"_Measured {p['date']} by `{p['script']}` (`{p['command']}`), commit {p['commit']}, "
+            f"host CPU {p['cpu']}{gpu}._")
+
+
+def tables(body: str) -> list[dict[str, list]]:
+    """Every Markdown table in ``body``: its header cells and rows of cells, as written."""
+    out, lines = [], body.splitlines()
+    i = 0
+    while i < len(lines):
+        if lines[i].startswith("|") and i + 1 < len(lines) and set(lines[i + 1].replace("|", "").strip()) <= set("-: "):
+            cells = lambda line: [c.strip() for c in line.strip().strip("|").split("|")]  # noqa: E731
+            header, rows, i = cells(lines[i]), [], i + 2
+            while i < len(lines) and lines[i].startswith("|"):
+                rows.append(cells(lines[i]))
+                i += 1
+            out.append({"header": header, "rows": rows})
+        else:
+            i += 1
+    return out
 
 
 def write_section(key: str, title: str, body: str) -> None:
+    prov = provenance()
     text = DOC.read_text() if DOC.exists() else HEADER
-    block = f"<!-- begin:{key} -->\n## {title}\n\n{stamp()}\n\n{body}\n<!-- end:{key} -->"
+    block = f"<!-- begin:{key} -->\n## {title}\n\n{stamp(prov)}\n\n{body}\n<!-- end:{key} -->"
     pattern = re.compile(rf"<!-- begin:{re.escape(key)} -->.*?<!-- end:{re.escape(key)} -->", re.S)
     text = pattern.sub(lambda _: block, text) if pattern.search(text) else text.rstrip("\n") + "\n\n" + block + "\n"
     DOC.parent.mkdir(parents=True, exist_ok=True)
     DOC.write_text(text)
+    results = DOC.parent / "results"
+    results.mkdir(exist_ok=True)
+    record = {"section": key, "title": title, **prov, "tables": tables(body), "markdown": body}
+    (results / f"{key}.json").write_text(json.dumps(record, indent=1, ensure_ascii=False) + "\n")

@@ -576,7 +576,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     saved = _report.DOC
     try:  # _report writes the section into its DOC: point it at --out for this call
         _report.DOC = out
-        _report.write_section(f"convergence-{tag}", f"Convergence ({args.model}): SWAN presets vs AdamW and Muon", body)
+        _report.write_section(f"convergence-{tag}", f"Convergence ({'GPU' if device == 'cuda' else 'CPU'}, {args.model}): SWAN presets vs AdamW and Muon", body)
     finally:
         _report.DOC = saved
     work.mkdir(parents=True, exist_ok=True)

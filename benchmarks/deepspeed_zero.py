@@ -126,7 +126,7 @@ def main() -> None:
     body = "\n".join(lines)
     print(body)
     if not args.no_write:
-        write_section("deepspeed_zero", f"DeepSpeed ZeRO: SWAN vs DeepSpeed AdamW (W={args.world})", body)
+        write_section("deepspeed_zero", f"DeepSpeed ZeRO ({'GPU' if torch.cuda.is_available() else 'CPU'}): SWAN vs DeepSpeed AdamW (W={args.world})", body)
 
 
 if __name__ == "__main__":

@@ -298,14 +298,14 @@ def main() -> None:
         plan_text = planner_table(args.bucket_mb)
         print(plan_text)
         if not args.no_write:
-            write_section("engine-planner", "Owner engine: planner balance", plan_text)
+            write_section("engine-planner", "Owner engine: planner balance (planning only, no device)", plan_text)
     if args.planner_only:
         return
     step_text = step_table(args.world, args.size, args.steps)
     print(step_text)
     if not args.no_write:
         kind = "cuda" if torch.cuda.is_available() else "cpu"
-        write_section(f"engine-step-{kind}", f"Owner engine: step time and bytes at W={args.world}", step_text)
+        write_section(f"engine-step-{kind}", f"Owner engine ({kind.upper() if kind == 'cpu' else 'GPU'}): step time and bytes at W={args.world}", step_text)
 
 
 if __name__ == "__main__":

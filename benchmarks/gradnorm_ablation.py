@@ -44,7 +44,7 @@ def main() -> None:
     text = "\n".join(lines)
     print(text)
     if not args.no_write:
-        write_section("gradnorm-ablation", "GradNorm: RMS vs mean-centred vs none", text)
+        write_section("gradnorm-ablation", "GradNorm (CPU): RMS vs mean-centred vs none", text)
 
 
 if __name__ == "__main__":

@@ -117,7 +117,7 @@ def main() -> None:
     text = "\n".join(lines)
     print(text)
     if not args.no_write:
-        write_section(f"optimizer-step-{device.type}", "Optimizer step, single process", text)
+        write_section(f"optimizer-step-{device.type}", f"Optimizer step, single process ({'GPU' if device.type == 'cuda' else 'CPU'})", text)
 
 
 if __name__ == "__main__":

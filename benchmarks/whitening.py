@@ -162,7 +162,7 @@ def main() -> None:
     text = "\n".join(lines)
     print(text)
     if not args.no_write:
-        write_section(f"whitening-{device.type}", "Whitening efficiency (swan_update vs its GEMMs)", text)
+        write_section(f"whitening-{device.type}", f"Whitening efficiency ({'GPU' if device.type == 'cuda' else 'CPU'}): swan_update vs its GEMMs", text)
 
 
 if __name__ == "__main__":

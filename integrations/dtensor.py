@@ -10,7 +10,10 @@ mesh decide the boxes of every mesh coordinate alike on every rank, so each rank
   numbered block after block (``Layout.col_splits``), each box one range of that order;
 - ``_StridedShard(0)`` on the data-parallel dim over ``Shard(0)`` TP (``fully_shard`` after
   ``ColwiseParallel``): row ranges again, at the offsets torch computes;
-- ``Replicate`` anywhere: replicas hold the same range.
+- ``Replicate`` anywhere: replicas hold the same range;
+- a 3-D expert stack cut on its expert dim and on its rows (expert parallelism with FSDP over the
+  rows, torchtitan's ``(Shard(0), Shard(1))``): a grid of cells (``Layout.lead_splits``), each
+  rank's cell one range; each expert is whitened as its own matrix.
 
 Anything else (``Partial``, a strided layout whose shards are not index ranges, boxes that do not
 tile) is refused when SWAN is built, with the parameter's name and placements, on every rank.
@@ -96,6 +99,9 @@ def _grid(shape: tuple[int, ...], mesh_shape: tuple[int, ...], placements: tuple
     if len(set(full)) != math.prod(len(c) for c in cuts):
         return "its shards do not tile the tensor as a grid"
     layout = Layout(tuple(lo for lo, _ in cuts[-1][1:])) if len(shape) >= 2 else Layout()
+    if len(shape) == 3 and len(cuts[0]) > 1 and len(cuts[1]) > 1:  # experts and their rows both cut: a grid
+        layout = Layout(layout.col_splits, lead_splits=tuple(lo for lo, _ in cuts[0][1:]),
+                        row_splits=tuple(lo for lo, _ in cuts[1][1:]))
     ranges = {}
     for coord, box in boxes.items():
         if not all(hi > lo for lo, hi in box):

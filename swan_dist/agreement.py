@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from . import inflight
 from .adapter import Piece
 from .functional import _compile_wanted, resolve_dtype
 from .rules import SCALAR_KEYS
@@ -51,14 +52,18 @@ class StepAgreement:
             body = codes[:n] if codes.numel() >= n else torch.cat([codes, codes.new_zeros(n - codes.numel())])
             head = codes.new_tensor([int(failed or mine != self.agreed), scalars, -scalars])
             flags = torch.cat([head, body])
+            before = inflight.counts(flags)
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+            inflight.settle([flags], before)
             out = flags.tolist()
             if out[0] == 0:
                 return ("ok", out[3:]) if out[1] == -out[2] else ("scalars", None)
         head = torch.tensor([structure, layout, codes.numel(), int(failed), scalars], dtype=torch.int64,
                             device=codes.device)
         heads = [torch.empty_like(head) for _ in range(dist.get_world_size(group))]
+        before = inflight.counts(head, *heads)
         dist.all_gather(heads, head, group=group)
+        inflight.settle([head, *heads], before)
         table = torch.stack(heads).cpu()
         self.agreed = None
         if table[:, 3].any():
@@ -69,7 +74,9 @@ class StepAgreement:
             return "scalars", None
         self.agreed, self.layouts = mine, tuple(table[:, 1].tolist())
         flags = codes.clone()
+        before = inflight.counts(flags)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+        inflight.settle([flags], before)
         return "ok", flags.tolist()
 
 

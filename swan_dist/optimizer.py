@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from . import inflight
 from .adapter import Form, Member, adapter_for, name_bare_params, optimizer_built
 from .agreement import Hashes, StepAgreement, agree, gather_names, nonfinite_update, raise_rank_failure, skipped
 from .execute import Plans, explain, whiten_local
@@ -355,7 +356,9 @@ class SWAN(torch.optim.Optimizer):
                 raise late
         else:  # any rank's late failure or non-finite update reaches every rank at one more all_reduce
             status = torch.tensor([late is not None, bool(nonfinite)], dtype=torch.int32, device=device)
+            before = inflight.counts(status)
             dist.all_reduce(status, op=dist.ReduceOp.MAX, group=group)
+            inflight.settle([status], before)
             failed, bad = status.tolist()
             if failed:
                 raise_rank_failure(explain(late, self.bucket_mb), group)

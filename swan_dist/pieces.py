@@ -11,6 +11,8 @@ scalar options (``lr``, ``alpha``, ...) are not in it, so a scheduler changes no
 
 from __future__ import annotations
 
+import dataclasses
+
 import operator
 import weakref
 from dataclasses import dataclass, field
@@ -49,7 +51,9 @@ class Record:
     @property
     def descriptor(self) -> tuple:
         """What every rank must agree on about this parameter (its part of the structure hash)."""
-        return (self.name, self.shape, (self.layout.col_splits, self.layout.transposed, self.split),
+        return (self.name, self.shape, (self.layout.col_splits, self.layout.transposed, self.layout.lead_splits,
+                                        self.layout.row_splits,
+                                        self.split),
                 str(self.dtype), self.options)
 
 
@@ -65,7 +69,7 @@ def make_record(pc: Piece, group: dict, form: Form | None, options: tuple) -> Re
         if form.stack and len(shape) == 2:  # (E·r, c) rows of E matrices: the stack (E, r, c)
             shape = (form.stack, shape[0] // form.stack, shape[1])
         if form.transposed and not layout.transposed:
-            layout = Layout(layout.col_splits, True)
+            layout = dataclasses.replace(layout, transposed=True)
             shape = (*shape[:-2], shape[-1], shape[-2])
         if form.split:
             split = form.split

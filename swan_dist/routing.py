@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from . import inflight
 from .functional import WhitenConfig, swan_update, whiten_flops
 
 __all__ = ["Layout", "ROW_MAJOR", "MatrixSpec", "Plan", "Bucket", "Ranges", "build_plan", "row_shard_ranges", "cover", "Exchange", "Segment",
@@ -58,15 +59,24 @@ class Layout:
     the owner maps the assembled buffer back with :meth:`to_full` (SWAN is equivariant to row and
     column permutations but not to transposition, so blocks are put back along columns and a stored
     ``(in, out)`` tensor is transposed).
+
+    A stack of matrices ``(E, rows, cols)`` split two ways, its experts into blocks (expert parallelism:
+    ``Shard(0)``) and each expert's rows (FSDP over the rows: ``Shard(1)``), is numbered as a grid:
+    ``lead_splits`` and ``row_splits`` cut its first two dims (``(e_1, ..., e_j)``, ``(r_1, ..., r_i)``), and
+    the cells (expert block, row block, column block) are numbered one after another, each in row-major
+    order ``(expert, row, column)``, so that every cell, the box one rank holds, is one contiguous range in
+    its own memory order. The owner puts the cells back with :meth:`to_full`.
     """
 
     col_splits: tuple[int, ...] = ()
     transposed: bool = False
+    lead_splits: tuple[int, ...] = ()
+    row_splits: tuple[int, ...] = ()
 
     @property
     def plain(self) -> bool:
         """Whether the canonical order is the matrix's own row-major order (a flat view is the matrix)."""
-        return not self.col_splits and not self.transposed
+        return not self.col_splits and not self.transposed and not self.lead_splits
 
     def stored(self, shape: Sequence[int]) -> tuple[int, ...]:
         """The stored tensor's shape for the matrix's ``shape``."""
@@ -77,10 +87,22 @@ class Layout:
         bounds = (0, *self.col_splits, n)
         return list(zip(bounds[:-1], bounds[1:]))
 
+    def _cells(self, stored: Sequence[int]) -> list[tuple[slice, slice, slice]]:
+        """The cells of a stack split as a grid (``lead_splits``), in canonical order."""
+        cuts = [(0, *self.lead_splits, stored[0]), (0, *self.row_splits, stored[1]), (0, *self.col_splits, stored[2])]
+        spans = [[slice(a, b) for a, b in zip(c[:-1], c[1:])] for c in cuts]
+        return [(e, r, c) for e in spans[0] for r in spans[1] for c in spans[2]]
+
     def to_full(self, flat: Tensor, shape: Sequence[int]) -> Tensor:
         """The matrix (``shape``, the paper's orientation) whose canonical-order elements are ``flat``."""
         stored = self.stored(shape)
-        if not self.col_splits:
+        if self.lead_splits:
+            full, off = flat.new_empty(stored), 0
+            for cell in self._cells(stored):
+                box = full[cell]
+                box.copy_(flat[off: off + box.numel()].view(box.shape))
+                off += box.numel()
+        elif not self.col_splits:
             full = flat.view(*stored)
         else:
             lead, parts, off = tuple(stored[:-1]), [], 0
@@ -95,6 +117,8 @@ class Layout:
         """Inverse of :meth:`to_full`: the matrix's elements in canonical order, flat."""
         if self.transposed:
             full = full.transpose(-1, -2)
+        if self.lead_splits:
+            return torch.cat([full[cell].reshape(-1) for cell in self._cells(full.shape)])
         if not self.col_splits:
             return full.reshape(-1)
         return torch.cat([full[..., a:b].reshape(-1) for a, b in self._blocks(full.shape[-1])])
@@ -105,6 +129,8 @@ class Layout:
         contiguous range of this order."""
         if 0 in size:
             return (0, 0)
+        if self.lead_splits:
+            return self._cell_range(shape, start, size)
         blocks = self._blocks(shape[-1])
         if (start[-1], start[-1] + size[-1]) not in blocks:
             return None
@@ -118,6 +144,18 @@ class Layout:
         strides = [math.prod(dims[d + 1:]) for d in range(len(dims))]
         lo = math.prod(shape[:-1]) * start[-1] + sum(s * t for s, t in zip(box_start, strides))
         return (lo, lo + math.prod(box_size))
+
+    def _cell_range(self, shape: Sequence[int], start: Sequence[int], size: Sequence[int]) -> Range | None:
+        """:meth:`box_range` of a stack split as a grid: the box must be one of its cells."""
+        if len(shape) != 3:
+            return None
+        box, off = tuple(slice(a, a + n) for a, n in zip(start, size)), 0
+        for cell in self._cells(shape):
+            n = math.prod(c.stop - c.start for c in cell)
+            if cell == box:
+                return (off, off + n)
+            off += n
+        return None
 
 
 ROW_MAJOR = Layout()
@@ -908,6 +946,20 @@ class _Sources:
         return [r for r, (a, b) in enumerate(zip(lo, hi)) if b > a]
 
 
+class _Transfer:
+    """A started all_to_all: ``wait()`` waits, drops the work handle and hands the buffers to
+    :func:`.inflight.settle` (the process group's thread may still reference them)."""
+
+    def __init__(self, work, tensors: tuple[Tensor, Tensor], before: list[int]) -> None:
+        self.work, self.tensors, self.before = work, tensors, before
+
+    def wait(self) -> None:
+        self.work.wait()
+        self.work = None
+        inflight.settle(self.tensors, self.before)
+        self.tensors = ()
+
+
 class Exchange:
     """Runs a :class:`Plan` on this rank: gradients to owners, the per-matrix computation, updates back.
 
@@ -1055,7 +1107,7 @@ class Exchange:
     def _start(self, pieces: list[Tensor] | Tensor, splits: tuple[list[int], list[int]], dtype: torch.dtype,
                moves: bool = True):
         """Start the all_to_all of ``pieces`` (packed by destination into one buffer, one copy) or of a
-        packed buffer; returns ``(work, received buffer)``, ``work`` None where no rank sends anything."""
+        packed buffer; returns ``(transfer, received buffer)``, ``transfer`` None where no rank sends anything."""
         if not moves:
             return None, torch.empty(0, dtype=dtype, device=self.device)
         if isinstance(pieces, Tensor):
@@ -1069,8 +1121,9 @@ class Exchange:
         in_splits, out_splits = splits
         out = torch.empty(sum(out_splits), dtype=dtype, device=self.device)
         self.bytes_sent += inp.numel() * inp.element_size()
+        before = inflight.counts(inp, out)
         work = dist.all_to_all_single(out, inp, out_splits, in_splits, group=self.group, async_op=True)
-        return work, out
+        return _Transfer(work, (inp, out), before), out
 
     def run(self, grads: Sequence[Tensor | None], skip: set[int], on_update: Callable[[int, Tensor], None]) -> int:
         """One step; returns the number of matrices this rank whitened.

@@ -193,3 +193,27 @@ def test_convergence_jobs_stops_at_a_failed_run(tmp_path):
     assert f"run calibrate/swan_ddagger failed; its log: {log}" in proc.stderr, proc.stderr[-3000:]
     assert "IsADirectoryError" in proc.stderr and log.is_file()
     assert not (work / "results.json").exists()
+
+
+@pytest.mark.timeout(120)
+def test_lr_rule_quick_writes_its_section_json_and_plot(tmp_path):
+    """``benchmarks/lr_rule.py --quick``: the four sweeps run, the fallback_lr of sweeps 3 and 4 reaches the
+    trainer, and the section, its JSON and its plot are written."""
+    out, work = tmp_path / "convergence.md", tmp_path / "runs"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "lr_rule.py"), "--quick", "--jobs", "2",
+                           "--fallback-ratios", "0.5,2", "--out", str(out), "--work-dir", str(work)],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=110)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    text = out.read_text()
+    assert "<!-- begin:lr-rule-cpu-tiny -->" in text and "**The rule this run gives**" in text
+    res = json.loads((work / "results.json").read_text())
+    eta = res["adamw"]["best"]
+    assert eta in (2e-3, 5e-3) and set(res["fallback"]) == {"0.5", "2.0"}
+    configs = {r["tag"]: r["sets"] for r in res["runs"]}
+    assert f"swan_options.fallback_lr={eta}" in configs[f"sweep/ddagger_fallback_eta/lr{res['at_eta']['best']:g}"]
+    assert f"swan_options.fallback_lr={2 * eta}" in next(v for k, v in configs.items() if k.endswith("/x2"))
+    assert not any("fallback_lr" in s for k, v in configs.items() if k.startswith("sweep/swan_ddagger") for s in v)
+    record = json.loads((tmp_path / "results" / "lr-rule-cpu-tiny.json").read_text())
+    assert record["script"] == "benchmarks/lr_rule.py" and record["tables"][0]["header"][0] == "sweep"
+    assert (tmp_path / "lr_rule_cpu_tiny.png").read_bytes()[:4] == b"\x89PNG"
