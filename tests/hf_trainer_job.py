@@ -32,10 +32,15 @@ STEPS = 6
 LR = 0.02
 
 
-def _model():
-    from transformers import LlamaConfig, LlamaForCausalLM
+def _model(config: str = ""):
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     torch.manual_seed(0)
+    if config.endswith("-moe"):  # 4 experts (top 2) in layer 0, a dense MLP in layer 1
+        return Qwen3MoeForCausalLM(Qwen3MoeConfig(
+            hidden_size=32, intermediate_size=48, moe_intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=8, vocab_size=128, num_experts=4, num_experts_per_tok=2,
+            mlp_only_layers=[1]))
     return LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                                         num_key_value_heads=2, vocab_size=128))
 
@@ -81,11 +86,11 @@ def _run(config: str, variant: str, out_dir: str) -> dict:
 
     extra: dict = {}
     kwargs: dict = {}
-    if config in ("zero2", "zero3"):
+    if config in ("zero2", "zero3", "zero3-moe"):
         extra["deepspeed"] = {
             "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "steps_per_print": 10**9,
             "optimizer": {"type": "SWAN", "params": {"preset": "swan_ddagger", "lr": "auto"}},  # lr from learning_rate
-            "zero_optimization": {"stage": int(config[-1])},
+            "zero_optimization": {"stage": int(config[4])},
         }
     else:
         kwargs["optimizer_cls_and_kwargs"] = (
@@ -97,7 +102,7 @@ def _run(config: str, variant: str, out_dir: str) -> dict:
         learning_rate=LR, logging_steps=1, save_strategy="no", report_to=[], disable_tqdm=True, seed=0,
         dataloader_num_workers=0, lr_scheduler_type="linear", use_cpu=config in ("ddp", "fsdp2"), **extra,
     )
-    trainer = _trainer_cls(config == "fsdp2")(model=_model(), args=args, train_dataset=_Data(), **kwargs)
+    trainer = _trainer_cls(config == "fsdp2")(model=_model(config), args=args, train_dataset=_Data(), **kwargs)
     trainer.train()
     opt = trainer.optimizer
     while not isinstance(opt, swan_dist.SWAN):  # Accelerate's / DeepSpeed's wrappers

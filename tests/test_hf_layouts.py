@@ -506,7 +506,7 @@ def test_distributed_ddp_fsdp2_fsdp1_equal_single_process():
         assert sum(res[case][2] for res in results) == counts[0] > 0, (case, [res[case][2] for res in results])
 
 
-def _ds_gpt2_worker(rank, world, stages):
+def _ds_gpt2_worker(rank, world, stages, kind="gpt2"):
     """DeepSpeed ZeRO stages with "optimizer": {"type": "SWAN"} on GPT-2: one step on the same batch on
     every rank (so the averaged gradient is the single-process one); the whole weights afterwards."""
     import deepspeed
@@ -518,7 +518,7 @@ def _ds_gpt2_worker(rank, world, stages):
         config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "steps_per_print": 10**9,
                   "optimizer": {"type": "SWAN", "params": params}, "zero_optimization": {"stage": stage},
                   "gradient_clipping": 0.0}  # DeepSpeed clips at 1.0 by default (the fallback would differ)
-        model = _gpt2()
+        model = _gpt2() if kind == "gpt2" else _moe(kind)
         swan_dist.tag_model(model)
         engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
         engine.backward(engine(x, labels=x).loss)
@@ -548,3 +548,19 @@ def test_deepspeed_zero_gpt2_equals_single_process():
                 assert (res[stage][n] - p.detach()).abs().max() < 1e-5, (stage, n)
             # and the Conv1D updates are the paper-oriented ones
             assert _check({n: before[n] - res[stage][n] for n in before}, grads) == 8
+
+
+def test_deepspeed_zero3_moe_equals_single_process():
+    """Mixtral's expert stacks under ZeRO-3 (flat partitions cutting through experts): each expert, gate and up
+    apart, whitened once; equal to single-process SWAN."""
+    pytest.importorskip("deepspeed")
+    results = run_distributed(_ds_gpt2_worker, 2, (3,), "mixtral", timeout=400.0)
+    model = _moe("mixtral")
+    x = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(3))
+    model(x, labels=x).loss.backward()
+    swan_dist.SWAN(model, **OPTS).step()
+    for res in results:
+        assert "MoE experts of MixtralExperts (E=4), stored (E, out, in): whitened per expert, as gate, up" in \
+            res[3, "summary"]
+        for n, p in model.named_parameters():
+            assert (res[3][n] - p.detach()).abs().max() < 1e-5, n

@@ -44,11 +44,24 @@ def _llama():
                                         num_key_value_heads=2, vocab_size=128))
 
 
+def _qwen3_moe():
+    """A tiny Qwen3-MoE: 4 experts (top 2) in layer 0, a dense MLP in layer 1 (``mlp_only_layers``)."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    return Qwen3MoeForCausalLM(Qwen3MoeConfig(
+        hidden_size=32, intermediate_size=48, moe_intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, vocab_size=128, num_experts=4, num_experts_per_tok=2, mlp_only_layers=[1]))
+
+
+MODELS = {"llama": _llama, "qwen3_moe": _qwen3_moe}
+
+
 def _batch(t: int) -> torch.Tensor:
     return torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(t))
 
 
-def _accelerate_worker(rank, world, steps):
+def _accelerate_worker(rank, world, steps, kind="llama", orders=("before", "after")):
     """Both orders with one Accelerator whose real FSDP2 path runs (``Accelerator.prepare`` ->
     ``_prepare_fsdp2`` -> ``fsdp2_prepare_model`` and ``fsdp2_switch_optimizer_parameters``). Every rank
     trains on the same batches, so the averaged gradient is the single-process one."""
@@ -65,8 +78,8 @@ def _accelerate_worker(rank, world, steps):
     acc.state.fsdp_plugin = plugin
     assert acc.is_fsdp2
     out = {}
-    for order in ("before", "after"):
-        model = _llama()
+    for order in orders:
+        model = MODELS[kind]()
         if order == "before":  # the order Accelerate's docs teach, and Trainer's under FSDP2
             opt = swan_dist.SWAN(model, verbose=False)
             originals = [weakref.ref(p) for p in model.parameters()]
@@ -121,6 +134,31 @@ def test_accelerate_fsdp2_swan_before_and_after_prepare():
         alive_prepare, alive_end, total = results[0][order]["alive"]
         assert (alive_prepare, alive_end) == (0, 0), f"{order}: SWAN keeps replaced parameters alive"
     assert results[0]["before"]["alive"][2] == len(want)
+
+
+def test_accelerate_fsdp2_qwen3_moe_equals_single_process():
+    """A MoE model under Accelerate's FSDP2: the expert stacks are row-sharded DTensors; each expert (gate and
+    up apart) is whitened once, the router as a matrix, and the weights equal single-process SWAN's."""
+    results = run_distributed(_accelerate_worker, 2, STEPS, "qwen3_moe", ("before",), timeout=240)
+    import swan_dist
+
+    model = _qwen3_moe()
+    opt = swan_dist.SWAN(model, verbose=False)
+    for t in range(STEPS):
+        x = _batch(t)
+        model(input_ids=x, labels=x).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    rows = {line.split()[1]: line for line in opt.summary().splitlines()[1:] if line.startswith(("  SWAN", "  fallback"))}
+    assert "MoE experts of Qwen3MoeExperts (E=4), stored (E, out, in): whitened per expert, as gate, up" in \
+        rows["model.layers.*.mlp.experts.gate_up_proj"]
+    assert rows["model.layers.*.mlp.gate.weight"].split()[0] == "SWAN"  # the router: a matrix
+    assert opt.whitened_matrices == STEPS * (8 + 3 + 1 + 4 + 4 * 2)  # attention, dense MLP, router, experts
+    for rank in range(2):
+        got = results[rank]["before"]
+        assert got["summary"] == opt.summary()
+        for n, p in model.named_parameters():
+            torch.testing.assert_close(got["weights"][n], p.detach(), rtol=1e-5, atol=2e-6, msg=n)
 
 
 # ---------------------------------------------------------------------------------------- Trainer
@@ -204,6 +242,22 @@ def test_trainer_deepspeed_zero2_and_zero3(trainer_job):
         _check_schedule(r0, config)  # "auto" took TrainingArguments.learning_rate
         losses[config] = r0["losses"]
     assert losses["zero3"] == pytest.approx(losses["zero2"], rel=1e-5, abs=1e-5)
+
+
+def test_trainer_deepspeed_zero3_trains_a_moe_model(trainer_job):
+    """Qwen3-MoE under Trainer + DeepSpeed ZeRO-3 with the JSON's SWAN: experts whitened per expert (gate and
+    up apart), each once per step on one rank; the router a matrix; the loss falls."""
+    job = trainer_job("zero3-moe")
+    r0, r1 = (job["ranks"][r]["json"] for r in range(2))
+    assert r0["losses"] == r1["losses"] and r0["summary"] == r1["summary"]
+    assert r0["whitened"] + r1["whitened"] == (8 + 3 + 1 + 4 + 4 * 2) * 6
+    losses = r0["losses"]
+    assert len(losses) == 6 and sum(losses[-2:]) / 2 < sum(losses[:2]) / 2 - 0.3, losses
+    rows = r0["summary"].splitlines()
+    expert = next(r for r in rows if " model.layers.*.mlp.experts.gate_up_proj " in r)
+    assert expert.split()[0] == "SWAN" and "whitened per expert, as gate, up" in expert, expert
+    assert next(r for r in rows if " model.layers.*.mlp.gate.weight " in r).split()[0] == "SWAN"
+    _check_schedule(r0, "zero3-moe")
 
 
 # ---------------------------------------------------------------------------------------- single process
