@@ -276,6 +276,40 @@ def _distributed_optimizer_class():
     return SwanDistributedOptimizer
 
 
+def _expert_parallel() -> bool:
+    """Whether expert weights are held by other ranks than the dense ones: expert parallelism, or an expert
+    tensor-parallel size other than the dense one (Megatron then builds a separate expert optimizer)."""
+    from megatron.core import parallel_state as ps
+
+    return (ps.get_expert_model_parallel_world_size() > 1
+            or ps.get_expert_tensor_parallel_world_size() != ps.get_tensor_model_parallel_world_size())
+
+
+_EXPERT_GROUPS: dict[tuple, Any] = {}
+
+
+def _expert_group():
+    """The ranks holding pieces of this rank's expert matrices: those of its pipeline stage with its
+    expert-parallel rank (its expert tensor-parallel x expert data-parallel ranks), where each expert is
+    whitened once on an owner. megatron-core names no such group: made once per layout, by every rank
+    (``new_group`` is collective), the groups in one order everywhere."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    mine = (ps.get_pipeline_model_parallel_rank(), ps.get_expert_model_parallel_rank())
+    key = (dist.get_world_size(), ps.get_pipeline_model_parallel_world_size(),
+           ps.get_expert_model_parallel_world_size(), ps.get_expert_tensor_parallel_world_size())
+    if key not in _EXPERT_GROUPS:
+        everyone: list = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+        members: dict[tuple, list[int]] = {}
+        for rank, k in enumerate(everyone):
+            members.setdefault(tuple(k), []).append(rank)
+        made = {k: dist.new_group(ranks) for k, ranks in sorted(members.items())}
+        _EXPERT_GROUPS[key] = made[mine]
+    return _EXPERT_GROUPS[key]
+
+
 def _mp_layout() -> tuple[int, int]:
     from megatron.core import parallel_state as ps
 
@@ -437,18 +471,19 @@ def get_swan_optimizer(config, model_chunks, config_overrides=None, use_gloo_pro
         mark_fused(chunk, split_qkv, split_glu)
     tag_model(chunks[0] if len(chunks) == 1 else nn.ModuleList(chunks))
     dense = ps.get_tensor_and_data_parallel_group(with_context_parallel=True)
+    experts = _expert_group() if _expert_parallel() else dense  # made here: a collective on every rank
     built: list[SWAN] = []
+    verbose, stages = opts.pop("verbose"), ps.get_pipeline_model_parallel_world_size()
 
     def factory(params, lr, weight_decay, betas, eps, **_):
         expert = any(g.get("is_expert_parallel") and g["params"] for g in params)
-        if expert and (ps.get_expert_model_parallel_world_size() > 1
-                       or ps.get_expert_tensor_parallel_world_size() != ps.get_tensor_model_parallel_world_size()):
-            raise ValueError("swan_dist: expert parallelism (--expert-model-parallel-size > 1, or an "
-                             "--expert-tensor-parallel-size other than --tensor-model-parallel-size) is not supported "
-                             "with SWAN yet: its experts are held by a group other than the dense TP x DP group")
-        opt = SWAN(params, lr=lr, weight_decay=weight_decay, betas=tuple(betas), eps=eps, process_group=dense,
-                   **{k: v for k, v in opts.items() if v is not None})
+        opt = SWAN(params, lr=lr, weight_decay=weight_decay, betas=tuple(betas), eps=eps,
+                   process_group=experts if expert else dense,
+                   verbose=False, **{k: v for k, v in opts.items() if v is not None})
         built.append(opt)
+        if verbose and torch.distributed.get_rank(dense) == 0:  # each pipeline stage's first rank: its own layers
+            stage = f"pipeline stage {ps.get_pipeline_model_parallel_rank()} of {stages}: " if stages > 1 else ""
+            print(f"{stage}{opt.summary()}", flush=True)
         return opt
 
     with _build_with(factory):

@@ -3,7 +3,7 @@
 Megatron-LM's ``--optimizer`` has fixed choices and its scripts hard-code their argument provider, so
 the flag needs hooks installed before the script parses its arguments:
 
-    torchrun --nproc-per-node 8 -m swan_dist.integrations.megatron PATH/pretrain_gpt.py --optimizer swan ...
+    torchrun --nproc-per-node 8 -m swan_dist.integrations.megatron_lm PATH/pretrain_gpt.py --optimizer swan ...
 
 runs the script with them; a user who edits the script adds one line at its top instead::
 

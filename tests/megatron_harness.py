@@ -167,11 +167,62 @@ def install_cpu_shims() -> None:
         LanguageModule.setup_embeddings_and_output_layer)
 
 
+class _MoEStream(_Stream):
+    def record_event(self, *args, **kwargs):  # token_dispatcher.py:895, then .synchronize() at :899
+        return self
+
+    def synchronize(self):
+        pass
+
+
+_MOE_STREAM = _MoEStream()
+MOE_TORCH = _Proxy(CPU_TORCH, cuda=_Proxy(CPU_CUDA, current_stream=lambda *a, **k: _MOE_STREAM,
+                                          Stream=lambda *a, **k: _MOE_STREAM))
+
+
+def install_moe_shims() -> None:
+    """The CPU shims of MoE layers (idempotent), on top of :func:`install_cpu_shims`. Without Transformer
+    Engine ``moe_utils.te_general_gemm`` is never bound (moe_utils.py:22-39) though the router's
+    ``RouterGatingLinearFunction`` tests it (:1192, :1225): bound to None it takes its own torch.mm path.
+    ``torch`` of the router (router.py:90: the weight moved to ``current_device()``), the token
+    dispatcher (:445, :871-899: a side stream and its events), moe_utils (:998) and the TP mappings of
+    the expert all-to-all (mappings.py:91-181, 442) is a proxy that keeps tensors on the CPU. The
+    all-to-all dispatcher hands ``all_to_all_single`` split sizes converted by ``maybe_move_tensor_to_cpu``
+    (moe_utils.py:1077-1100), which turns only CUDA tensors into numpy: CPU ones are given too.
+    Flags that need Transformer Engine or CUDA: ``moe_router_fusion``, ``moe_permute_fusion``,
+    ``moe_grouped_gemm`` (GroupedMLP needs the CUDA ``grouped_gemm`` package), the ``flex`` dispatcher."""
+    install_cpu_shims()
+    mu = importlib.import_module("megatron.core.transformer.moe.moe_utils")
+    if not hasattr(mu, "te_general_gemm"):
+        mu.te_general_gemm = None
+    for name in ("megatron.core.transformer.moe.router", "megatron.core.transformer.moe.token_dispatcher",
+                 "megatron.core.transformer.moe.moe_utils", "megatron.core.tensor_parallel.mappings"):
+        importlib.import_module(name).torch = MOE_TORCH
+    td = importlib.import_module("megatron.core.transformer.moe.token_dispatcher")
+    if not getattr(td.maybe_move_tensor_to_cpu, "_cpu_shim", False):
+        orig = td.maybe_move_tensor_to_cpu
+
+        def to_host(tensor, as_numpy=False, record_stream=False):
+            if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+                return tensor.numpy()
+            return orig(tensor, as_numpy=as_numpy, record_stream=record_stream)
+        to_host._cpu_shim = True
+        td.maybe_move_tensor_to_cpu = to_host
+
+
+# MoE settings that run on the CPU with gloo (see install_moe_shims); no load balancing loss, so that the
+# gradients of a data-parallel run are those of one process on the whole batch
+MOE_CPU = dict(moe_router_topk=2, moe_token_dispatcher_type="alltoall", moe_grouped_gemm=False,
+               moe_router_load_balancing_type="none", moe_router_dtype="fp32", moe_permute_fusion=False,
+               moe_router_fusion=False, add_bias_linear=False)
+
+
 # --------------------------------------------------------------------------- model
 def build_gpt(tp: int, pp: int = 1, *, seed: int = 1234, bf16: bool = False, gated: bool = True, heads: int = 4,
               query_groups: int = 2, hidden: int = 32, ffn: int = 64, layers: int = 2, vocab: int = 64,
               seq: int = 16, tied: bool = True, use_distributed_optimizer: bool = False,
-              overlap_grad_reduce: bool = False, init_weights: dict | None = None):
+              overlap_grad_reduce: bool = False, init_weights: dict | None = None, experts: int = 0,
+              moe: dict | None = None):
     """A tiny GPTModel (local layer spec: LayerNorm, linear biases; SwiGLU when ``gated``; GQA; RoPE; no dropout; embeddings and
     output layer tied when ``tied``) wrapped in Megatron DDP (fp32 grad reduction), for the model-parallel
     state already initialised with this ``tp``/``pp``. Returns ``([chunk], config)``.
@@ -181,6 +232,9 @@ def build_gpt(tp: int, pp: int = 1, *, seed: int = 1234, bf16: bool = False, gat
     exact slices of the TP=1 model of the same seed. Pipeline stages draw only their own layers, so at
     ``pp > 1`` the layout differs from PP=1: pass ``init_weights`` (``full_weights`` of a PP=1 model) to
     load the same weights into any layout (loaded before the optimizer makes its fp32 copies).
+
+    ``experts`` > 0: every layer's MLP is a MoE of that many experts (SequentialMLP, the settings of
+    :data:`MOE_CPU` updated by ``moe``), spread over the expert-parallel size already initialised.
     """
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
@@ -191,7 +245,7 @@ def build_gpt(tp: int, pp: int = 1, *, seed: int = 1234, bf16: bool = False, gat
     from megatron.core.transformer.module import Float16Module
 
     assert ps.get_tensor_model_parallel_world_size() == tp and ps.get_pipeline_model_parallel_world_size() == pp
-    install_cpu_shims()
+    install_moe_shims() if experts else install_cpu_shims()
     # tensor_parallel/random.py:244-277: tracker.fork() (embedding and attention dropout, both 0 here)
     # reads the CUDA generator; the inference tracker's fork is a no-op (random.py:321-336)
     initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
@@ -205,9 +259,12 @@ def build_gpt(tp: int, pp: int = 1, *, seed: int = 1234, bf16: bool = False, gat
         use_cpu_initialization=True, perform_initialization=True, init_method_std=0.02,
         bias_activation_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
         bias_dropout_fusion=False, apply_rope_fusion=False, gradient_accumulation_fusion=False,
-        deallocate_pipeline_outputs=False)
+        deallocate_pipeline_outputs=False,
+        **(dict(num_moe_experts=experts, moe_ffn_hidden_size=ffn, expert_model_parallel_size=ps.get_expert_model_parallel_world_size(),
+                **{**MOE_CPU, **(moe or {})}) if experts else {}))
     torch.manual_seed(seed)
-    model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(),
+    spec = get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False) if experts else get_gpt_layer_local_spec()
+    model = GPTModel(config=config, transformer_layer_spec=spec,
                      vocab_size=vocab, max_sequence_length=seq, pre_process=ps.is_pipeline_first_stage(),
                      post_process=ps.is_pipeline_last_stage(), share_embeddings_and_output_weights=tied,
                      position_embedding_type="rope")
@@ -281,7 +338,10 @@ def train_step(model_chunks, optimizer, batch: dict, num_microbatches: int = 1) 
 
 # --------------------------------------------------------------------------- weights
 def _named_params(model_chunks):
-    """(global name, param) of this stage: wrapper prefixes stripped, layer indices made global."""
+    """(global name, param) of this stage: wrapper prefixes stripped, layer indices made global, and
+    expert indices too (local expert j of expert-parallel rank r is expert r * local experts + j)."""
+    from megatron.core import parallel_state as ps
+
     for chunk in model_chunks:
         gpt = chunk
         while hasattr(gpt, "module"):  # DDP, Float16Module
@@ -291,7 +351,16 @@ def _named_params(model_chunks):
             parts = name.split(".")
             if parts[:2] == ["decoder", "layers"]:
                 parts[2] = str(int(parts[2]) + offset)
+            if "local_experts" in parts:
+                i = parts.index("local_experts") + 1
+                local = len(gpt.decoder.layers[0].mlp.experts.local_experts)
+                parts[i] = str(ps.get_expert_model_parallel_rank() * local + int(parts[i]))
             yield ".".join(parts), p
+
+
+def _is_expert(p) -> bool:
+    """An expert weight under expert parallelism: reduced over the expert data-parallel group."""
+    return not getattr(p, "allreduce", True)
 
 
 def _is_tied_copy(name, p) -> bool:
@@ -320,12 +389,17 @@ def full_weights(model_chunks, optimizer=None) -> dict[str, torch.Tensor]:
     from megatron.core import parallel_state as ps
 
     mains, sharded = _main_params(optimizer) if optimizer is not None else ({}, False)
-    dp_group = ps.get_data_parallel_group(with_context_parallel=True)
-    tp_group, tp = ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_world_size()
-    out = {}
+    out, experts = {}, {}
     for name, p in _named_params(model_chunks):
         if _is_tied_copy(name, p):
             continue
+        expert = _is_expert(p)
+        if expert:
+            dp_group, tp_group = ps.get_expert_data_parallel_group(), ps.get_expert_tensor_parallel_group()
+            tp = ps.get_expert_tensor_parallel_world_size()
+        else:
+            dp_group, tp_group = ps.get_data_parallel_group(with_context_parallel=True), ps.get_tensor_model_parallel_group()
+            tp = ps.get_tensor_model_parallel_world_size()
         if sharded:  # this rank's range of p's flattened TP block (zeros elsewhere), summed over DP
             local = mains.get(id(p), torch.zeros(p.numel()))
             dist.all_reduce(local, group=dp_group)
@@ -338,7 +412,11 @@ def full_weights(model_chunks, optimizer=None) -> dict[str, torch.Tensor]:
             shards = [torch.empty_like(local) for _ in range(tp)]
             dist.all_gather(shards, local, group=tp_group)
             local = torch.cat([s.chunk(stride, dim)[j] for j in range(stride) for s in shards], dim)
-        out[name] = local
+        (experts if expert else out)[name] = local
+    if experts:  # every expert-parallel rank's experts
+        ranks = [None] * ps.get_expert_model_parallel_world_size()
+        dist.all_gather_object(ranks, experts, group=ps.get_expert_model_parallel_group())
+        out.update({k: v for held in ranks for k, v in held.items()})
     if ps.get_pipeline_model_parallel_world_size() > 1:
         stages = [None] * ps.get_pipeline_model_parallel_world_size()
         dist.all_gather_object(stages, out, group=ps.get_pipeline_model_parallel_group())
@@ -389,10 +467,13 @@ def set_full_weights(model_chunks, weights: dict[str, torch.Tensor]) -> None:
     """Load ``full_weights``-style TP=1 tensors into this rank's slices (the inverse of ``full_weights``)."""
     from megatron.core import parallel_state as ps
 
-    r, tp = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
     with torch.no_grad():
         for name, p in _named_params(model_chunks):
             full = weights["embedding.word_embeddings.weight" if _is_tied_copy(name, p) else name]
+            if _is_expert(p):
+                r, tp = ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size()
+            else:
+                r, tp = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
             layout = _tp_layout(p)
             if layout is not None and tp > 1:
                 dim, stride = layout

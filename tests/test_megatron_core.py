@@ -15,6 +15,9 @@ processes) and is cached, like the single-process reference, for the test proces
 
 from __future__ import annotations
 
+import contextlib
+import io
+
 import pytest
 import torch
 
@@ -40,13 +43,16 @@ def _run(tp, pp, init, *, distopt=False, overlap=False, micro=1, bf16=False, tie
 
     chunks, _ = H.build_gpt(tp, pp, bf16=bf16, use_distributed_optimizer=distopt, overlap_grad_reduce=overlap,
                             tied=tied, vocab=VOCAB, seq=SEQ, layers=LAYERS, init_weights=init if tied else None)
-    opt = get_swan_optimizer(OptimizerConfig(lr=LR, weight_decay=0.1, bf16=bf16, use_distributed_optimizer=distopt,
-                                             clip_grad=0.0), chunks,
-                             swan={"verbose": False, "bucket_mb": 0.01, **(swan or {})})
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):  # the start-up summary: each pipeline stage's first rank
+        opt = get_swan_optimizer(OptimizerConfig(lr=LR, weight_decay=0.1, bf16=bf16, use_distributed_optimizer=distopt,
+                                                 clip_grad=0.0), chunks,
+                                 swan={"bucket_mb": 0.01, **(swan or {})})
     inner = [w.optimizer for w in opt.chained_optimizers if w.optimizer is not None]
     out = dict(kinds=[type(w).__name__ for w in opt.chained_optimizers], summary=inner[0].summary(),
                group=sorted(dist.get_process_group_ranks(inner[0].process_group)),
-               stage=ps.get_pipeline_model_parallel_rank(), start=H.full_weights(chunks, opt), losses=[])
+               stage=ps.get_pipeline_model_parallel_rank(), start=H.full_weights(chunks, opt), losses=[],
+               printed=printed.getvalue())
     dp_rank, dp = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     for step in range(steps):
         if step == steps - 1:
@@ -177,6 +183,10 @@ def test_pipeline_parallel_equals_single_process(name):
         assert sum(r["whitened"] for r in mine) == STEPS * PER_LAYER  # its one layer, whitened by its ranks
         ranks = sorted(rank for rank, r in enumerate(res) if r["stage"] == stage)
         assert all(r["group"] == ranks for r in mine), (stage, [r["group"] for r in mine], ranks)
+        # the stage's first rank prints its own layers' summary, saying which stage it is
+        assert res[ranks[0]]["printed"].startswith(f"pipeline stage {stage} of 2: swan_dist.SWAN"), res[ranks[0]]
+        assert res[ranks[0]]["printed"].count("swan_dist.SWAN") == 1
+        assert all(res[r]["printed"] == "" for r in ranks[1:])
     embedding = next(r["embedding"] for r in res if r["stage"] == 0)
     assert not torch.equal(embedding, _ref()["start"]["embedding.word_embeddings.weight"])
     for r in res:
