@@ -9,6 +9,11 @@ and torchrun reports the job as failed. Rare: run it many times on a loaded mach
     for i in $(seq 100); do torchrun --standalone --nproc_per_node 2 docs/repro/gloo_teardown_abort.py \
         >/dev/null 2>&1 || echo "run $i: exit $?"; done
 
+Why: each collective here is issued on a fresh tensor that the script drops as soon as the call returns;
+gloo's worker thread may then hold the last reference, and if it lets go only once the interpreter is
+finalizing, freeing the tensor's Python object needs the GIL there and the thread is ended inside a C++
+destructor (docs/troubleshooting.md). Keeping the tensors referenced to the end avoids it.
+
 Pass ``--exit`` to leave with os._exit(0) after destroy_process_group() (the workaround: no
 interpreter finalization runs, so nothing is torn down under it)."""
 
