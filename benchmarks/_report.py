@@ -94,3 +94,33 @@ def write_section(key: str, title: str, body: str) -> None:
     results.mkdir(exist_ok=True)
     record = {"section": key, "title": title, **prov, "tables": tables(body), "markdown": body}
     (results / f"{key}.json").write_text(json.dumps(record, indent=1, ensure_ascii=False) + "\n")
+
+
+_STAMP = re.compile(r"_Measured (?P<date>\S+) by `(?P<script>[^`]+)` \((?:`(?P<command>[^`]*)`|command not recorded)\), "
+                    r"commit (?P<commit>[^,]+), (?:host CPU (?P<cpu>[^,]+), )?(?P<device>[^.]*)\.?_")
+
+
+def export(doc: Path) -> list[Path]:
+    """The JSON record of every section of ``doc`` from its Markdown (for sections measured before scripts
+    wrote JSON themselves): provenance parsed from the section's stamp, its tables. Returns the files written."""
+    out = []
+    for m in re.finditer(r"<!-- begin:(?P<key>[\w-]+) -->\n## (?P<title>.*?)\n\n(?P<body>.*?)<!-- end:(?P=key) -->",
+                         doc.read_text(), re.S):
+        stamp = _STAMP.search(m["body"])
+        prov = {k: (stamp[k] if stamp else None) for k in ("date", "script", "command", "commit", "cpu")}
+        gpu = stamp["device"] if stamp else None
+        prov["gpu"] = gpu[len("GPU "):] if gpu and gpu.startswith("GPU ") else None
+        record = {"section": m["key"], "title": m["title"], **prov, "exported_from": doc.name,
+                  "tables": tables(m["body"]), "markdown": m["body"].strip()}
+        path = doc.parent / "results" / f"{m['key']}.json"
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(json.dumps(record, indent=1, ensure_ascii=False) + "\n")
+        out.append(path)
+    return out
+
+
+if __name__ == "__main__":  # python benchmarks/_report.py: docs/results/*.json from the Markdown sections
+    for page in (DOC, DOC.parent / "convergence.md"):
+        if page.exists():
+            for path in export(page):
+                print(path.relative_to(DOC.parent.parent))

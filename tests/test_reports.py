@@ -1,0 +1,41 @@
+"""docs/benchmarks.md and docs/convergence.md: every section says which script measured it, at which
+commit, on which device, and its results are kept as JSON beside it (docs/results/<section>.json, written
+by benchmarks/_report.py)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+DOCS = Path(__file__).resolve().parents[1] / "docs"
+_spec = importlib.util.spec_from_file_location("_report_under_test", DOCS.parent / "benchmarks" / "_report.py")
+report = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(report)
+
+
+def _sections(page: Path) -> list[tuple[str, str, str]]:
+    return re.findall(r"<!-- begin:([\w-]+) -->\n## (.*?)\n\n(.*?)<!-- end:\1 -->", page.read_text(), re.S)
+
+
+@pytest.mark.parametrize("page", ["benchmarks.md", "convergence.md"])
+def test_every_section_is_stamped_and_kept_as_json(page):
+    sections = _sections(DOCS / page)
+    assert sections or page == "convergence.md"
+    for key, title, body in sections:
+        stamp = report._STAMP.search(body)
+        assert stamp and stamp["script"].startswith("benchmarks/") and stamp["commit"], (key, body[:200])
+        assert re.search(r"CPU|GPU|CUDA|no device", title), (key, title)  # every heading says where
+        if stamp["device"].startswith("GPU"):
+            assert "GPU" in title or "CUDA" in title, (key, title)
+        record = json.loads((DOCS / "results" / f"{key}.json").read_text())
+        assert record["title"] == title and record["script"] == stamp["script"], key
+        assert record["tables"] == report.tables(body), key
+
+
+def test_tables_are_read_cell_by_cell():
+    body = "text\n\n| a | b |\n|---|---:|\n| 1 | x y |\n| 2 | **3** |\n\nmore"
+    assert report.tables(body) == [{"header": ["a", "b"], "rows": [["1", "x y"], ["2", "**3**"]]}]
