@@ -108,17 +108,23 @@ def _accelerate_worker(rank, world, steps, kind="llama", orders=("before", "afte
     return out
 
 
-def test_accelerate_fsdp2_swan_before_and_after_prepare():
-    results = run_distributed(_accelerate_worker, 2, STEPS, timeout=240)
+def _single_process(kind: str):
+    """The model of ``kind`` trained STEPS steps by single-process SWAN on the workers' batches."""
     import swan_dist
 
-    model = _llama()
+    model = MODELS[kind]()
     opt = swan_dist.SWAN(model, verbose=False)
     for t in range(STEPS):
         x = _batch(t)
         model(input_ids=x, labels=x).loss.backward()
         opt.step()
         opt.zero_grad()
+    return model, opt
+
+
+def test_accelerate_fsdp2_swan_before_and_after_prepare():
+    results = run_distributed(_accelerate_worker, 2, STEPS, timeout=240)
+    model, opt = _single_process("llama")
     want = {n: p.detach() for n, p in model.named_parameters()}
     start = _llama().state_dict()
     for order in ("before", "after"):
@@ -140,15 +146,7 @@ def test_accelerate_fsdp2_qwen3_moe_equals_single_process():
     """A MoE model under Accelerate's FSDP2: the expert stacks are row-sharded DTensors; each expert (gate and
     up apart) is whitened once, the router as a matrix, and the weights equal single-process SWAN's."""
     results = run_distributed(_accelerate_worker, 2, STEPS, "qwen3_moe", ("before",), timeout=240)
-    import swan_dist
-
-    model = _qwen3_moe()
-    opt = swan_dist.SWAN(model, verbose=False)
-    for t in range(STEPS):
-        x = _batch(t)
-        model(input_ids=x, labels=x).loss.backward()
-        opt.step()
-        opt.zero_grad()
+    model, opt = _single_process("qwen3_moe")
     rows = {line.split()[1]: line for line in opt.summary().splitlines()[1:] if line.startswith(("  SWAN", "  fallback"))}
     assert "MoE experts of Qwen3MoeExperts (E=4), stored (E, out, in): whitened per expert, as gate, up" in \
         rows["model.layers.*.mlp.experts.gate_up_proj"]
