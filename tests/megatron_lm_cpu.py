@@ -81,6 +81,12 @@ class _Stream:
     def wait_stream(self, other):
         pass
 
+    def record_event(self, *a, **k):  # MoE all-to-all dispatcher: token_dispatcher.py:895, then :899
+        return self
+
+    def synchronize(self):
+        pass
+
 
 def _noop(*a, **k):
     return None
@@ -248,6 +254,29 @@ def install(script: str) -> None:
     random._get_cuda_rng_state, random._set_cuda_rng_state = _get_cpu_rng_state, _set_cpu_rng_state
     logging.getLogger(random.__name__).addFilter(_NoCpuRngWarning())
     filesystem_async._get_write_results_queue = _get_write_results_queue
+    _moe()
+
+
+def _moe() -> None:
+    """MoE (``--num-experts``) without Transformer Engine: moe_utils.py:22-39 binds ``te_general_gemm`` only
+    when TE imports, while the router's gating function tests it (1192, 1225): None takes its torch path.
+    The all-to-all dispatcher converts split sizes to numpy only for CUDA tensors (moe_utils.py:1077-1100,
+    used at token_dispatcher.py); CPU ones are converted too."""
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+    import megatron.core.transformer.moe.token_dispatcher as token_dispatcher
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+    orig = token_dispatcher.maybe_move_tensor_to_cpu
+    if getattr(orig, "_cpu_shim", False):
+        return
+
+    def to_host(tensor, as_numpy=False, record_stream=False):
+        if as_numpy and torch.is_tensor(tensor) and tensor.device.type == "cpu":
+            return tensor.numpy()
+        return orig(tensor, as_numpy=as_numpy, record_stream=record_stream)
+    to_host._cpu_shim = True
+    token_dispatcher.maybe_move_tensor_to_cpu = to_host
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -85,3 +85,26 @@ def test_pretrain_gpt_with_optimizer_swan(tmp_path):
     refused = _run("--use-distributed-optimizer", "--train-iters", "2", "--save", ckpt, "--save-interval", "2",
                    "--ckpt-format", "torch", ok=False)
     assert "--ckpt-format torch_dist" in refused, refused[-3000:]
+
+
+MOE = ("--num-experts", "4", "--moe-router-topk", "2", "--expert-model-parallel-size", "2",
+       "--moe-token-dispatcher-type", "alltoall", "--moe-router-dtype", "fp32", "--moe-router-load-balancing-type",
+       "aux_loss", "--moe-aux-loss-coeff", "0.01", "--use-distributed-optimizer", "--train-iters", "4",
+       "--ckpt-format", "torch_dist")
+
+
+def test_pretrain_gpt_moe_with_expert_parallelism(tmp_path):
+    """``--num-experts 4 --expert-model-parallel-size 2`` with ``--optimizer swan`` and the distributed
+    optimizer at W=2: a dense SWAN over both ranks and an expert SWAN per expert-parallel rank (its local
+    experts, gate and up apart); the loss falls; a torch_dist checkpoint saved at iteration 2 resumes to
+    the uninterrupted run's iterations 3 and 4."""
+    out = _run(*MOE)
+    assert out.count("swan_dist.SWAN (preset=swan_ddagger)") == 2, out[-4000:]  # dense, then experts
+    assert "local_experts.*.linear_fc1.weight x4" in out and "whitened as gate, up" in out
+    ref = _losses(out)
+    assert sorted(ref) == [1, 2, 3, 4] and ref[4] < ref[1]
+    ckpt = str(tmp_path / "ckpt")
+    first = _losses(_run(*MOE, "--save", ckpt, "--save-interval", "2", "--exit-interval", "2"))
+    assert first == {1: ref[1], 2: ref[2]}
+    resumed = _resumed(_run(*MOE, "--load", ckpt))
+    assert all(abs(resumed[i] - ref[i]) < 3e-6 for i in (3, 4)), (resumed, ref)
