@@ -90,14 +90,16 @@ def test_pretrain_gpt_with_optimizer_swan(tmp_path):
 MOE = ("--num-experts", "4", "--moe-router-topk", "2", "--expert-model-parallel-size", "2",
        "--moe-token-dispatcher-type", "alltoall", "--moe-router-dtype", "fp32", "--moe-router-load-balancing-type",
        "aux_loss", "--moe-aux-loss-coeff", "0.01", "--use-distributed-optimizer", "--train-iters", "4",
-       "--ckpt-format", "torch_dist")
+       "--ckpt-format", "torch_dist", "--micro-batch-size", "1")  # (the later flag wins over TINY's)
 
 
 def test_pretrain_gpt_moe_with_expert_parallelism(tmp_path):
     """``--num-experts 4 --expert-model-parallel-size 2`` with ``--optimizer swan`` and the distributed
     optimizer at W=2: a dense SWAN over both ranks and an expert SWAN per expert-parallel rank (its local
     experts, gate and up apart); the loss falls; a torch_dist checkpoint saved at iteration 2 resumes to
-    the uninterrupted run's iterations 3 and 4."""
+    the uninterrupted run's iterations 3 and 4. At W=4 (EP=2 x DP=2: each expert on two ranks, whitened by
+    one) the run equals the W=2 one, and its checkpoint resumes at W=2 (``--no-load-rng``: Megatron's own
+    RNG state is saved per DP rank)."""
     out = _run(*MOE)
     assert out.count("swan_dist.SWAN (preset=swan_ddagger)") == 2, out[-4000:]  # dense, then experts
     assert "local_experts.*.linear_fc1.weight x4" in out and "whitened as gate, up" in out
@@ -108,3 +110,8 @@ def test_pretrain_gpt_moe_with_expert_parallelism(tmp_path):
     assert first == {1: ref[1], 2: ref[2]}
     resumed = _resumed(_run(*MOE, "--load", ckpt))
     assert all(abs(resumed[i] - ref[i]) < 3e-6 for i in (3, 4)), (resumed, ref)
+    ckpt4 = str(tmp_path / "ckpt4")
+    four = _losses(_run(*MOE, "--save", ckpt4, "--save-interval", "2", "--exit-interval", "2", nproc=4))
+    assert sorted(four) == [1, 2] and all(abs(four[i] - ref[i]) < 1e-5 for i in (1, 2)), (four, ref)
+    resumed = _resumed(_run(*MOE, "--load", ckpt4, "--no-load-rng"))
+    assert all(abs(resumed[i] - ref[i]) < 1e-5 for i in (3, 4)), (resumed, ref)
