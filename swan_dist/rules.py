@@ -11,12 +11,21 @@ DTensor dispatch runs per op), and on the CPU torch's fused AdamW.
 
 from __future__ import annotations
 
+import inspect
 import math
 import numbers
 
 import torch
 from torch import Tensor
-from torch.optim.adam import adam as _adam_functional
+from torch.optim.adam import adam as _adam
+
+# torch's functional AdamW: ``adam(..., decoupled_weight_decay=True)`` from torch 2.7 (whose ``adamw``
+# then calls it), ``adamw(...)`` before (torch 2.6 has no such keyword)
+if "decoupled_weight_decay" in inspect.signature(_adam).parameters:
+    def _adamw_functional(*args, **kwargs) -> None:
+        _adam(*args, decoupled_weight_decay=True, **kwargs)
+else:  # pragma: no cover - older torch, run by launch/compat.sh
+    from torch.optim.adamw import adamw as _adamw_functional
 
 from .adapter import PLAIN, Piece, local_of
 from .functional import WhitenConfig
@@ -139,8 +148,8 @@ def _adamw(state: dict, group: dict, pieces: list[Piece]) -> None:
         targets, grads, m, v = local_of(kind[0].target, [pc.target for pc in kind],
                                         [pc.target_grad for pc in kind], m, v)
         st = list(st)
-        _adam_functional(
-            targets, grads, m, v, [], st, decoupled_weight_decay=True, amsgrad=False, beta1=b1, beta2=b2,
+        _adamw_functional(
+            targets, grads, m, v, [], st, amsgrad=False, beta1=b1, beta2=b2,
             lr=float(group["lr"]), weight_decay=float(group["weight_decay"]), eps=float(group["eps"]),
             maximize=False, **({"fused": True} if _fusable(targets, grads, m, v, st) else {"foreach": True}),
         )
