@@ -66,6 +66,10 @@ def _local_shape_and_offset(shape: tuple[int, ...], mesh_shape: tuple[int, ...],
     """(local shape, global offset) of the shard at mesh coordinate ``coord``: torch's own computation, the
     private ``_compute_local_shape_and_global_offset``, because every rank needs every coordinate's box and
     the variant that takes a ``DeviceMesh`` answers for this rank's coordinate only."""
+    utils = importlib.import_module("torch.distributed.tensor._utils")
+    if not hasattr(utils, "_compute_local_shape_and_global_offset") and hasattr(
+            utils, "compute_local_shape_and_global_offset"):  # torch < 2.7: only this rank's coordinate
+        return utils.compute_local_shape_and_global_offset(shape, _At(mesh_shape, coord), placements)
     compute = _private("torch.distributed.tensor._utils", "_compute_local_shape_and_global_offset")
     try:
         return compute(shape, mesh_shape, coord, placements)
@@ -74,6 +78,20 @@ def _local_shape_and_offset(shape: tuple[int, ...], mesh_shape: tuple[int, ...],
                            "_compute_local_shape_and_global_offset(global_shape, mesh_shape, my_coordinate, "
                            f"placements) failed ({e}): its signature may have changed in this version; pin "
                            "torch to a version swan_dist supports") from e
+
+
+class _At:
+    """A mesh of ``mesh_shape`` seen from ``coord``: what torch 2.6's ``compute_local_shape_and_global_offset``
+    asks of a ``DeviceMesh`` (``get_coordinate``, ``ndim``, ``size``)."""
+
+    def __init__(self, mesh_shape: tuple[int, ...], coord: list[int]) -> None:
+        self.shape, self.coord, self.ndim = tuple(mesh_shape), list(coord), len(mesh_shape)
+
+    def get_coordinate(self) -> list[int]:
+        return self.coord
+
+    def size(self, dim: int | None = None) -> int:
+        return math.prod(self.shape) if dim is None else self.shape[dim]
 
 
 @lru_cache(maxsize=4096)

@@ -44,7 +44,10 @@ def _worker(rank: int, world: int) -> list[dict]:
         torch.manual_seed(0)
         model = MoE()
         for name in EXPERTS:  # torchtitan's end state: experts over "ep", each expert's rows over "dp"
-            setattr(model, name, nn.Parameter(distribute_tensor(getattr(model, name).detach(), mesh, [Shard(0), Shard(1)])))
+            dt = distribute_tensor(getattr(model, name).detach(), mesh, [Shard(0), Shard(1)])
+            local = dt.to_local().contiguous()  # (torch 2.6 leaves a Shard(1) slice strided; FSDP2 does not)
+            setattr(model, name, nn.Parameter(DTensor.from_local(local, mesh, dt.placements, shape=dt.shape,
+                                                                 stride=dt.stride())))
         for module in (model.embed, model.router):  # dense weights replicated (as under DDP)
             module.weight = nn.Parameter(distribute_tensor(module.weight.detach(), mesh, [Replicate(), Replicate()]))
         opt = SWAN(model, include=EXPERTS, verbose=rank == 0, bucket_mb=0.00001, **opts)
