@@ -7,6 +7,8 @@ built, on every rank. Gradients are placed with DTensor's own ``distribute_tenso
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 from torch import nn
@@ -57,8 +59,10 @@ def _grads(model: nn.Module, step: int) -> dict[str, torch.Tensor]:
 def _set_grads(model: nn.Module, grads: dict[str, torch.Tensor]) -> None:
     from torch.distributed.tensor import DTensor, distribute_tensor
 
+    # every rank holds the same full gradients: no broadcast where torch can skip it (src_data_rank, torch >= 2.7)
+    local = {"src_data_rank": None} if "src_data_rank" in inspect.signature(distribute_tensor).parameters else {}
     for n, p in model.named_parameters():
-        p.grad = (distribute_tensor(grads[n], p.device_mesh, p.placements, src_data_rank=None) if isinstance(p, DTensor)
+        p.grad = (distribute_tensor(grads[n], p.device_mesh, p.placements, **local) if isinstance(p, DTensor)
                   else grads[n].clone())
 
 
