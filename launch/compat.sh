@@ -39,6 +39,6 @@ PY
 echo "compat: $versions"
 status=0
 "$venv/bin/python" -m pytest -q -p no:cacheprovider "${tests[@]}" 2>&1 | tee "runs/compat/$name.log" || status=$?
-summary=$(grep -E "(passed|failed|error)" "runs/compat/$name.log" | tail -1)
+summary=$(grep -E "[0-9]+ (passed|failed|errors?)[ ,].* in [0-9.]+s" "runs/compat/$name.log" | tail -1)
 echo "$(date -u +%F) | ${specs[*]} | $versions | exit $status | $summary" >> runs/compat/results.txt
 exit $status
