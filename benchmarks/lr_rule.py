@@ -107,12 +107,26 @@ def report(args: argparse.Namespace, res: dict[str, Any], png: Path, command: st
         + " · ".join(f"**{r:g} η: {v:.3f}**" if r == best_fb else f"{r:g} η: {v:.3f}" for r, v in fb.items())
         + f" | {best_fb:g} η{' (on the grid' + chr(39) + 's edge)' if best_fb in (min(fb), max(fb)) else ''} |",
         "",
-        f"**The rule this run gives** (`{args.model}`): from AdamW's tuned lr η, SWAN‡ at `lr` = "
-        f"{at_eta['best'] / eta:.3g} η with `fallback_lr` = {best_fb:g} η (final val loss {fb[best_fb]:.3f}); "
-        f"with the fallback tied to the global lr, `lr` = {tied['best'] / eta:.3g} η "
-        f"({tied['results'][tied['best']]:.3f}); AdamW alone {res['adamw']['results'][eta]:.3f}.",
+        _rule(args.model, res),
         "", f"![final validation loss against lr]({png.name})",
     ])
+
+
+def _rule(model: str, res: dict[str, Any]) -> str:
+    """The starting point the sweeps support: the lowest loss of the tied sweep and of the fallback_lr sweep."""
+    eta, tied, at_eta, fb = res["eta"], res["tied"], res["at_eta"], res["fallback"]
+    best_fb = res["best_fallback_ratio"]
+    tied_loss, fb_loss = tied["results"][tied["best"]], fb[best_fb]
+    ranked = " · ".join(f"{r:g} η: {v:.3f}" for r, v in fb.items())
+    if tied_loss <= fb_loss:
+        head = (f"start SWAN‡ at `lr` = {tied['best'] / eta:.3g} η with the fallback at that same lr, as the preset "
+                f"does (final val loss {tied_loss:.3f}); a separate `fallback_lr` did no better")
+    else:
+        head = (f"start SWAN‡ at `lr` = {at_eta['best'] / eta:.3g} η with `fallback_lr` = {best_fb:g} η (final val "
+                f"loss {fb_loss:.3f}; tied at {tied['best'] / eta:.3g} η: {tied_loss:.3f})")
+    return (f"**The rule this run gives** (`{model}`): from AdamW's tuned lr η, {head}. The fallback rule (AdamW on "
+            f"embeddings, head and norms) wants more than η here: at `lr` = {at_eta['best'] / eta:.3g} η, "
+            f"`fallback_lr` {ranked}; AdamW alone {res['adamw']['results'][eta]:.3f}.")
 
 
 def plot(png: Path, res: dict[str, Any]) -> None:
