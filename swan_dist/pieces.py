@@ -12,7 +12,6 @@ scalar options (``lr``, ``alpha``, ...) are not in it, so a scheduler changes no
 from __future__ import annotations
 
 import dataclasses
-
 import operator
 import weakref
 from dataclasses import dataclass, field
@@ -51,9 +50,8 @@ class Record:
     @property
     def descriptor(self) -> tuple:
         """What every rank must agree on about this parameter (its part of the structure hash)."""
-        return (self.name, self.shape, (self.layout.col_splits, self.layout.transposed, self.layout.lead_splits,
-                                        self.layout.row_splits,
-                                        self.split),
+        lay = self.layout
+        return (self.name, self.shape, (lay.col_splits, lay.transposed, lay.lead_splits, lay.row_splits, self.split),
                 str(self.dtype), self.options)
 
 
