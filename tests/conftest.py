@@ -16,3 +16,16 @@ os.environ.setdefault("SWAN_DIST_CPU_BF16", "0")
 import torch  # noqa: E402
 
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+# Torch's JIT extensions (DeepSpeed's shm communication op on the CPU) are built in a directory of this
+# run's own. A build killed part-way (a timed-out test, a stopped job) leaves its `lock` file behind,
+# and every later load in that directory waits on it forever (torch's FileBaton has no owner to check),
+# so a shared ~/.cache/torch_extensions would turn one killed build into a hang of every DeepSpeed test.
+# The first DeepSpeed test pays the build (25-55 s on 2 cores); the directory goes at exit.
+if "TORCH_EXTENSIONS_DIR" not in os.environ:
+    import atexit
+    import shutil
+    import tempfile
+
+    os.environ["TORCH_EXTENSIONS_DIR"] = tempfile.mkdtemp(prefix="swan_dist_torch_ext_")
+    atexit.register(shutil.rmtree, os.environ["TORCH_EXTENSIONS_DIR"], True)
