@@ -70,8 +70,15 @@ def mark_fused(model: nn.Module, split_qkv: bool = True, split_glu: bool = True)
     they are whitened fused). Idempotent; :func:`get_swan_optimizer` calls it with its options."""
     from megatron.core.transformer.attention import SelfAttention
     from megatron.core.transformer.mlp import MLP
+    from megatron.core.transformer.moe.experts import GroupedMLP
 
-    for mod in model.modules():
+    for name, mod in model.named_modules():
+        if isinstance(mod, GroupedMLP):  # before any collective: every rank with experts sees it alike
+            raise ValueError(
+                f"swan_dist: {name + '.weight1'!r} is the legacy GroupedMLP's stack of all local experts in one "
+                "matrix (--moe-grouped-gemm without Transformer Engine, or --moe-use-legacy-grouped-gemm); SWAN "
+                "whitens each expert apart and cannot split that stack: drop --moe-grouped-gemm (SequentialMLP, "
+                "per-expert weights)")
         w, split, parts = None, (), ""
         if isinstance(mod, SelfAttention) and getattr(mod, "linear_qkv", None) is not None:
             w, cfg = mod.linear_qkv.weight, mod.config

@@ -222,7 +222,7 @@ def build_gpt(tp: int, pp: int = 1, *, seed: int = 1234, bf16: bool = False, gat
               query_groups: int = 2, hidden: int = 32, ffn: int = 64, layers: int = 2, vocab: int = 64,
               seq: int = 16, tied: bool = True, use_distributed_optimizer: bool = False,
               overlap_grad_reduce: bool = False, init_weights: dict | None = None, experts: int = 0,
-              moe: dict | None = None):
+              moe: dict | None = None, grouped: bool = False):
     """A tiny GPTModel (local layer spec: LayerNorm, linear biases; SwiGLU when ``gated``; GQA; RoPE; no dropout; embeddings and
     output layer tied when ``tied``) wrapped in Megatron DDP (fp32 grad reduction), for the model-parallel
     state already initialised with this ``tp``/``pp``. Returns ``([chunk], config)``.
@@ -234,7 +234,9 @@ def build_gpt(tp: int, pp: int = 1, *, seed: int = 1234, bf16: bool = False, gat
     load the same weights into any layout (loaded before the optimizer makes its fp32 copies).
 
     ``experts`` > 0: every layer's MLP is a MoE of that many experts (SequentialMLP, the settings of
-    :data:`MOE_CPU` updated by ``moe``), spread over the expert-parallel size already initialised.
+    :data:`MOE_CPU` updated by ``moe``), spread over the expert-parallel size already initialised;
+    ``grouped``: the legacy GroupedMLP instead (built here only: its forward needs the CUDA ``grouped_gemm``
+    package, which the caller marks present).
     """
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
@@ -261,9 +263,9 @@ def build_gpt(tp: int, pp: int = 1, *, seed: int = 1234, bf16: bool = False, gat
         bias_dropout_fusion=False, apply_rope_fusion=False, gradient_accumulation_fusion=False,
         deallocate_pipeline_outputs=False,
         **(dict(num_moe_experts=experts, moe_ffn_hidden_size=ffn, expert_model_parallel_size=ps.get_expert_model_parallel_world_size(),
-                **{**MOE_CPU, **(moe or {})}) if experts else {}))
+                **{**MOE_CPU, **(moe or {}), **(dict(moe_grouped_gemm=True) if grouped else {})}) if experts else {}))
     torch.manual_seed(seed)
-    spec = get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False) if experts else get_gpt_layer_local_spec()
+    spec = get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=grouped) if experts else get_gpt_layer_local_spec()
     model = GPTModel(config=config, transformer_layer_spec=spec,
                      vocab_size=vocab, max_sequence_length=seq, pre_process=ps.is_pipeline_first_stage(),
                      post_process=ps.is_pipeline_last_stage(), share_embeddings_and_output_weights=tied,

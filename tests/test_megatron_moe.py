@@ -83,3 +83,32 @@ def test_expert_parallel_2_x_data_parallel_2_distributed_optimizer_equals_one_pr
     # experts of EP rank 0 on ranks 0 and 2, of EP rank 1 on ranks 1 and 3: each whitened once, by one of them
     assert [r["groups"][1] for r in res] == [[0, 2], [1, 3], [0, 2], [1, 3]]
     assert sum(r["whitened"] for r in res) == STEPS * PER_STEP
+
+
+def _grouped_worker(rank, world):
+    from megatron.core import parallel_state as ps
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.transformer.moe import grouped_gemm_util
+
+    import megatron_harness as H
+    from swan_dist.integrations.megatron import get_swan_optimizer
+
+    grouped_gemm_util.grouped_gemm = object()  # GroupedMLP's constructor asks only that its CUDA package exists
+    ps.initialize_model_parallel(expert_model_parallel_size=world)
+    try:
+        chunks, _ = H.build_gpt(1, experts=EXPERTS, grouped=True, **SHAPE)
+        assert type(chunks[0].module.decoder.layers[0].mlp.experts).__name__ == "GroupedMLP"
+        try:
+            get_swan_optimizer(OptimizerConfig(lr=LR), chunks, swan={"verbose": False})
+        except ValueError as e:
+            return str(e)
+        return None
+    finally:
+        ps.destroy_model_parallel()
+
+
+def test_legacy_grouped_mlp_is_refused_on_every_rank_naming_the_stack():
+    """GroupedMLP holds all local experts in one weight1/weight2: whitened whole it would mix the experts,
+    so the optimizer is refused (before any collective) naming the stack and what to use instead."""
+    for msg in run_distributed(_grouped_worker, 2, timeout=200):
+        assert msg is not None and "decoder.layers.0.mlp.experts.weight1" in msg and "drop --moe-grouped-gemm" in msg
