@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import math
 import os
 import socket
 import statistics
@@ -79,9 +80,27 @@ write_section = _load_report().write_section
 SEED = 1234
 
 
-def _layouts(world: int) -> list[tuple[str, int, bool]]:
-    """(name, tensor-parallel size, distributed optimizer); data-parallel size = world / TP."""
-    return [(f"TP={world}", world, False), (f"DP={world}, distributed optimizer", 1, True)]
+EXPERTS = 4  # the MoE layout's experts per layer (top 2, SequentialMLP, harness.MOE_CPU's settings)
+OPTIMIZERS = ("megatron-adam", "megatron-muon", "megatron-dist-muon", "swan")
+
+
+def _layouts(world: int, moe: bool) -> list[tuple[str, int, int, bool]]:
+    """(name, tensor-parallel size, expert-parallel size, distributed optimizer); data-parallel size =
+    world / TP. EP > 1: every layer's MLP is a MoE of ``EXPERTS`` experts, EP of them per rank group."""
+    out = [(f"TP={world}", world, 1, False), (f"DP={world}, distributed optimizer", 1, 1, True)]
+    if moe:
+        out.append((f"MoE, EP=2 x DP={world // 2}, distributed optimizer", 1, 2, True))
+    return out
+
+
+def muon_available() -> bool:
+    """Whether Megatron's Muon (``megatron.core.optimizer.muon``) can run: it needs emerging-optimizers
+    v0.1.0 (``bash benchmarks/install_muon.sh``)."""
+    try:
+        from megatron.core.optimizer import muon
+    except ImportError:
+        return False
+    return bool(muon.HAVE_EMERGING_OPTIMIZERS)
 
 
 def _build_cuda(tp: int, distopt: bool, a) -> list:
@@ -116,15 +135,42 @@ def _build_cuda(tp: int, distopt: bool, a) -> list:
     return [model]
 
 
-def _build(tp: int, distopt: bool, a, cuda: bool) -> list:
+def _build(tp: int, distopt: bool, a, cuda: bool, experts: int = 0) -> list:
     if cuda:
+        if experts:
+            raise SystemExit("benchmarks/megatron.py: the MoE layout (--moe) runs on the CPU only")
         return _build_cuda(tp, distopt, a)
     import megatron_harness as harness
 
     chunks, _ = harness.build_gpt(tp, hidden=a.hidden, ffn=a.ffn, layers=a.layers, heads=a.heads,
                                   query_groups=a.query_groups, vocab=a.vocab, seq=a.seq, seed=SEED,
-                                  use_distributed_optimizer=distopt)
+                                  use_distributed_optimizer=distopt, experts=experts)
     return chunks
+
+
+def _optimizer(name: str, chunks: list, lr: float, distopt: bool):
+    """Megatron's Adam, its Muon (``--optimizer muon``: every DP rank orthogonalizes every matrix;
+    ``dist_muon``: Megatron's layer-wise distributed optimizer splits them over the DP ranks), or SWAN‡.
+    Muon refuses the distributed optimizer: its model is built without one."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    from swan_dist.integrations.megatron import get_swan_optimizer
+
+    cfg = OptimizerConfig(optimizer="adam", lr=lr, weight_decay=0.1, use_distributed_optimizer=distopt)
+    if name == "swan":
+        return get_swan_optimizer(cfg, chunks, swan={"preset": "swan_ddagger", "verbose": False})
+    if name == "megatron-adam":
+        return get_megatron_optimizer(cfg, chunks)
+    from megatron.core.optimizer.muon import get_megatron_muon_optimizer
+
+    return get_megatron_muon_optimizer(cfg, chunks, layer_wise_distributed_optimizer=name == "megatron-dist-muon")
+
+
+def _names(a) -> list[str]:
+    """The optimizers run: Muon where installed; ``dist_muon`` on GPUs only (its parameter all-gather has
+    a size per rank, which NCCL takes and gloo refuses)."""
+    return [n for n in OPTIMIZERS if ("muon" not in n or a.muon) and (n != "megatron-dist-muon"
+                                                                     or torch.cuda.is_available())]
 
 
 def _inner(opt) -> list:
@@ -137,11 +183,13 @@ def _exchanges(opt) -> list:
 
 def _minimum_bytes(opt) -> tuple[int, int]:
     """Bytes that must move per step for the plans' owners (and for the best owner of each matrix): the
-    owner receives every element of the matrix it does not hold and sends each other holder its piece."""
+    owner receives every element of the matrix it does not hold and sends each other holder its piece.
+    Counted for the SWAN groups this rank is the first of (summed over ranks, each group counts once:
+    under expert parallelism the expert groups are disjoint)."""
     given = best = 0
     for o in _inner(opt):
         ex = o.exchange
-        if ex is None:
+        if ex is None or dist.get_rank() != min(dist.get_process_group_ranks(o.process_group or dist.group.WORLD)):
             continue
         plan = ex.plan
         for bucket in plan.buckets:
@@ -158,9 +206,7 @@ def _minimum_bytes(opt) -> tuple[int, int]:
 def _run(rank: int, world: int, local_rank: int, a) -> list | None:
     """Every layout and optimizer on this rank (process group initialised); rank 0 returns the rows."""
     from megatron.core import parallel_state as ps
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    from swan_dist.integrations.megatron import get_swan_optimizer
     from swan_dist.memory import state_bytes
 
     cuda = torch.cuda.is_available()
@@ -176,17 +222,14 @@ def _run(rank: int, world: int, local_rank: int, a) -> list | None:
         return t.tolist()
 
     rows = []
-    for layout, tp, distopt in _layouts(world):
-        ps.initialize_model_parallel(tensor_model_parallel_size=tp)
+    for layout, tp, ep, distopt in _layouts(world, a.moe):
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
         try:
             dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-            for name in ("megatron-adam", "swan"):
-                chunks = _build(tp, distopt, a, cuda)
-                cfg = OptimizerConfig(optimizer="adam", lr=1e-3, weight_decay=0.1, use_distributed_optimizer=distopt)
-                if name == "swan":
-                    opt = get_swan_optimizer(cfg, chunks, swan={"preset": "swan_ddagger", "verbose": False})
-                else:
-                    opt = get_megatron_optimizer(cfg, chunks)
+            for name in _names(a):
+                sharded = distopt and "muon" not in name
+                chunks = _build(tp, sharded, a, cuda, EXPERTS if ep > 1 else 0)
+                opt = _optimizer(name, chunks, 1e-3, sharded)
                 step_t: list[float] = []
                 wrapped = opt.step
 
@@ -219,10 +262,10 @@ def _run(rank: int, world: int, local_rank: int, a) -> list | None:
                 minimum, best = _minimum_bytes(opt) if name == "swan" else (0, 0)
                 t_step, t_iter, state_max = reduce([statistics.median(step_t), statistics.median(iter_t[a.warmup:]),
                                                     state], dist.ReduceOp.MAX)
-                sent_all, whitened_all = reduce([sent, whitened], dist.ReduceOp.SUM)
+                sent_all, whitened_all, minimum, best = reduce([sent, whitened, minimum, best], dist.ReduceOp.SUM)
                 kind = type(_inner(opt)[0]).__name__
                 n_params = sum(p.numel() for c in chunks for p in c.parameters())  # this rank's (TP slice)
-                rows.append(dict(layout=layout, name=name, kind=kind, step=t_step, iter=t_iter, state=state_max,
+                rows.append(dict(layout=layout, name=name, kind=kind, sharded=sharded, step=t_step, iter=t_iter, state=state_max,
                                  sent=sent_all, minimum=minimum, best=best, whitened=whitened_all, loss=loss,
                                  params_rank=n_params, wrapper=[type(w).__name__ for w in
                                                                 getattr(opt, "chained_optimizers", [opt])]))
@@ -237,11 +280,84 @@ def _run(rank: int, world: int, local_rank: int, a) -> list | None:
     return rows if rank == 0 else None
 
 
+def _text_batch(x: torch.Tensor, y: torch.Tensor) -> dict:
+    b, seq = x.shape
+    return dict(tokens=x, labels=y, position_ids=torch.arange(seq).expand(b, seq).contiguous(), attention_mask=None)
+
+
+def _sweep(rank: int, world: int, local_rank: int, a) -> list | None:
+    """Loss after ``a.sweep`` iterations of the dense model at DP = W (no distributed optimizer, so that
+    Muon runs), on the reference trainer's ``wiki`` text, for each optimizer and lr of ``a.lrs``; the
+    same batches for all. Rank 0 returns rows (optimizer, lr, train loss of the last 10, validation loss)."""
+    from megatron.core import parallel_state as ps
+
+    import megatron_harness as harness
+    from swan_dist.reference.data import WindowSampler, build_data, eval_batches
+
+    harness.install_cpu_shims()
+    data = build_data("wiki", vocab_size=a.vocab)  # built by the parent before the spawn: loaded here
+    rows = []
+    ps.initialize_model_parallel()
+    try:
+        dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+        for name, lrs in a.lrs.items():
+            if "muon" in name and not a.muon:
+                continue
+            for lr in lrs:
+                chunks = _build(1, False, a, False)
+                opt = _optimizer(name, chunks, lr, False)
+                sampler = WindowSampler(data.train, a.seq, a.batch, seed=SEED)  # the global batch, same on every rank
+                losses = [harness.train_step(chunks, opt, harness.dp_share(_text_batch(*next(sampler)), dp_rank, dp))
+                          for _ in range(a.sweep)]
+                total = torch.zeros(2, dtype=torch.float64)
+                with torch.no_grad():
+                    for x, y in eval_batches(data.val, a.seq, a.batch, 4, rank=dp_rank, world_size=dp):
+                        mb = _text_batch(x, y)
+                        per_token = chunks[0](mb["tokens"], mb["position_ids"], None, labels=y)
+                        total += torch.tensor([float(per_token.float().sum()), per_token.numel()], dtype=torch.float64)
+                dist.all_reduce(total)
+                rows.append(dict(name=name, lr=lr, train=statistics.mean(losses[-10:]), val=float(total[0] / total[1]),
+                                 finite=all(map(math.isfinite, losses))))
+                if rank == 0:
+                    print(f"[megatron sweep] {name} lr {lr:g}: train {rows[-1]['train']:.3f}, "
+                          f"validation {rows[-1]['val']:.3f}", flush=True)
+                del opt, chunks
+    finally:
+        ps.destroy_model_parallel()
+    return rows if rank == 0 else None
+
+
+def _sweep_table(rows: list[dict], a, world: int) -> str:
+    labels = {"megatron-adam": "Megatron Adam", "megatron-muon": "Megatron Muon", "swan": "SWAN‡"}
+    best = {n: min((r for r in rows if r["name"] == n and r["finite"]), key=lambda r: r["val"], default=None)
+            for n in labels}
+    lines = [
+        f"The dense model of the section above (hidden {a.hidden}, {a.layers} layers, vocab {a.vocab}, seq {a.seq}) "
+        f"at DP = {world} without the distributed optimizer (Muon refuses it), trained {a.sweep} iterations of "
+        f"{a.batch}x{a.seq} tokens of the reference trainer's `wiki` text at a constant lr (no warm-up, weight "
+        "decay 0.1), the same batches for every run; validation loss on 4 fixed batches of held-out text. "
+        "Megatron's `OptimizerConfig.lr` is the one lr each optimizer gets: Muon's for its matrices and its "
+        "Adam's for the rest; SWAN‡'s (its preset scales the matrices' step by alpha 0.05) and its AdamW "
+        "fallback's.",
+        "",
+        "| optimizer | lr | train loss (last 10) | validation loss |",
+        "|---|---:|---:|---:|",
+    ]
+    for r in rows:
+        mark = "**" if best.get(r["name"]) is r else ""
+        val = f"{mark}{r['val']:.3f}{mark}" if r["finite"] else "diverged"
+        lines.append(f"| {labels[r['name']]} | {r['lr']:g} | {r['train']:.3f} | {val} |")
+    found = {n: b for n, b in best.items() if b is not None}
+    lines += ["", "Best of each sweep (bold): " + "; ".join(f"{labels[n]} {b['val']:.3f} at lr {b['lr']:g}"
+                                                           for n, b in found.items()) + "."]
+    return "\n".join(lines)
+
+
 def _spawned(rank: int, world: int, port: int, out: str, a) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
     _init(rank, world, rank)
-    rows = _run(rank, world, rank, a)
+    rows = (_sweep if a.sweep else _run)(rank, world, rank, a)
     if rank == 0:
         torch.save(rows, out)
     dist.barrier()
@@ -289,11 +405,17 @@ def _table(rows: list[dict], a, world: int) -> str:
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     notes = []
-    for layout, _, _ in _layouts(world):
+    for layout, *_ in _layouts(world, a.moe):
         adam = next(r for r in rows if r["layout"] == layout and r["name"] == "megatron-adam")
         for r in (x for x in rows if x["layout"] == layout):
             wrapper = "+".join(dict.fromkeys(r["wrapper"]))
-            if r["name"] == "swan":
+            if "muon" in r["name"]:
+                how = "layer-wise distributed" if r["name"] == "megatron-dist-muon" else "every DP rank all matrices"
+                label = (f"Megatron Muon, {how} (`{r['kind']}` in `{wrapper}`"
+                         + (", no distributed optimizer: Muon refuses it)" if "distributed" in layout else ")"))
+                swan = ("-", "-", "-", "-")
+                vs = (f"{r['step'] / adam['step']:.2f}x", f"{r['state'] / adam['state']:.2f}" if adam["state"] else "-")
+            elif r["name"] == "swan":
                 label = f"SWAN‡ (`{r['kind']}` in `{wrapper}`)"
                 ratio = f"{r['sent'] / r['minimum']:.2f}" if r["minimum"] else "-"
                 swan = (f"{mb(r['sent'])} MiB", f"{mb(r['minimum'])} MiB", ratio, f"{r['whitened']:.0f}")
@@ -326,9 +448,29 @@ def _table(rows: list[dict], a, world: int) -> str:
         "distributed optimizer each rank holds a contiguous range of the fp32 parameter buffer, which cuts few "
         "matrices.",
     ]
+    if a.moe:
+        moe = next(r for r in rows if r["name"] == "swan" and r["layout"].startswith("MoE"))
+        lines += ["", f"MoE layout: every layer's MLP is {EXPERTS} experts (top 2, SequentialMLP, the all-to-all "
+                  "token dispatcher), two per expert-parallel rank. SWAN‡ whitens per expert (gate, up and fc2 "
+                  f"apart) plus the router: {moe['whitened']:.0f} matrices per step, each once, the experts inside "
+                  "the ranks holding them (expert data parallel), the dense ones over all DP ranks."]
+    if a.muon:
+        lines += ["", "Megatron's Muon (megatron-core `get_megatron_muon_optimizer`, emerging-optimizers "
+                  f"{_version('emerging-optimizers')}): momentum and 5 Newton-Schulz steps per 2-D non-embedding "
+                  "weight (Q, K, V apart), Adam for the rest; at TP > 1 (its default `--muon-tp-mode blockwise`) each rank "
+                  "orthogonalizes its own slice of a matrix, where SWAN whitens the whole matrix; it refuses the distributed optimizer, so its rows run "
+                  "on a model without one. `dist_muon` is Megatron-LM's `--optimizer dist_muon`: its layer-wise "
+                  "distributed optimizer gives each DP rank whole parameters to update and all-gathers them, in one "
+                  "all-gather of a size per rank, which gloo refuses: it runs on GPUs only."]
     if notes:
         lines += [""] + notes
     return "\n".join(lines)
+
+
+def _version(dist_name: str) -> str:
+    from importlib.metadata import version
+
+    return version(dist_name)
 
 
 def main() -> None:
@@ -344,13 +486,31 @@ def main() -> None:
     ap.add_argument("--query-groups", type=int, default=4)
     ap.add_argument("--vocab", type=int, default=1024)
     ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--moe", action="store_true", help="also a MoE layout, EP=2 x DP=W/2 (W even, >= 4)")
+    ap.add_argument("--no-muon", dest="muon", action="store_false",
+                    help="leave out Megatron's Muon (it runs where emerging-optimizers is installed)")
+    ap.add_argument("--sweep", type=int, default=0, metavar="N",
+                    help="instead: the loss after N iterations on text, per optimizer and lr (--lrs), CPU")
+    ap.add_argument("--lrs", default="megatron-adam=1e-3,3e-3;megatron-muon=3e-3,1e-2,3e-2;swan=2.5e-3,5e-3,1e-2",
+                    help="the sweep's lrs: OPTIMIZER=LR,LR;...")
     ap.add_argument("--no-write", action="store_true", help="print only, do not update docs/benchmarks.md")
     a = ap.parse_args()
+    a.lrs = {k: [float(x) for x in v.split(",")] for k, v in (part.split("=") for part in a.lrs.split(";"))}
+    if a.sweep:
+        if torch.cuda.is_available():
+            ap.error("--sweep runs on the CPU (gloo) only")
+        from swan_dist.reference.data import build_data
+
+        build_data("wiki", vocab_size=a.vocab)  # once, before the ranks load it
+    world = int(os.environ["WORLD_SIZE"]) if "RANK" in os.environ and "WORLD_SIZE" in os.environ else a.world
+    if a.moe and (world < 4 or world % 2):
+        ap.error(f"--moe needs an even world size of at least 4 (EP=2 x DP=W/2), not {world}")
+    a.muon = a.muon and muon_available()
 
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         _init(rank, world, int(os.environ.get("LOCAL_RANK", "0")))
-        rows = _run(rank, world, int(os.environ.get("LOCAL_RANK", "0")), a)
+        rows = (_sweep if a.sweep else _run)(rank, world, int(os.environ.get("LOCAL_RANK", "0")), a)
         dist.barrier()
         dist.destroy_process_group()
         if rank != 0:
@@ -361,12 +521,16 @@ def main() -> None:
             out = os.path.join(d, "rows.pt")
             mp.start_processes(_spawned, args=(world, _free_port(), out, a), nprocs=world, start_method="spawn")
             rows = torch.load(out)
-    body = _table(rows, a, world)
+    body = (_sweep_table if a.sweep else _table)(rows, a, world)
     print(body)
-    if not a.no_write:
+    if a.sweep and not a.no_write:
+        write_section("megatron-loss", f"Megatron-core: loss after {a.sweep} iterations, SWAN vs Megatron's Muon "
+                      f"and Adam at their best lr (W={world}, CPU)", body)
+    elif not a.no_write:
         kind = "cuda" if torch.cuda.is_available() else "cpu"
         key = "megatron" if kind == "cpu" else "megatron-cuda"
-        write_section(key, f"Megatron-core: SWAN vs Megatron's Adam (W={world}, {'GPU' if kind == 'cuda' else 'CPU'})",
+        against = "Megatron's Adam and Muon" if a.muon else "Megatron's Adam"
+        write_section(key, f"Megatron-core: SWAN vs {against} (W={world}, {'GPU' if kind == 'cuda' else 'CPU'})",
                       body)
 
 

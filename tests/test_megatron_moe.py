@@ -22,7 +22,7 @@ SHAPE = dict(hidden=16, ffn=32, heads=4, query_groups=2, layers=2, vocab=VOCAB, 
 PER_STEP = 2 * (4 + 1 + EXPERTS * 3)  # per layer: Q, K, V, proj; the router; each expert's gate, up, fc2
 
 
-def _worker(rank, world, ep, distopt, init, tp=1, etp=None):
+def _worker(rank, world, ep, distopt, init, tp=1, etp=None, pp=1):
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from megatron.core.optimizer import OptimizerConfig
@@ -32,9 +32,9 @@ def _worker(rank, world, ep, distopt, init, tp=1, etp=None):
 
     H.install_moe_shims()
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
-                                 expert_tensor_parallel_size=etp)
+                                 expert_tensor_parallel_size=etp, pipeline_model_parallel_size=pp)
     try:
-        chunks, _ = H.build_gpt(tp, experts=EXPERTS, moe=dict(expert_tensor_parallel_size=etp or tp), use_distributed_optimizer=distopt, overlap_grad_reduce=distopt,
+        chunks, _ = H.build_gpt(tp, pp, experts=EXPERTS, moe=dict(expert_tensor_parallel_size=etp or tp), use_distributed_optimizer=distopt, overlap_grad_reduce=distopt,
                                 init_weights=init, **SHAPE)
         opt = get_swan_optimizer(OptimizerConfig(lr=LR, weight_decay=0.1, use_distributed_optimizer=distopt,
                                                  clip_grad=0.0), chunks, swan={"verbose": False, "bucket_mb": 0.001})
@@ -46,6 +46,7 @@ def _worker(rank, world, ep, distopt, init, tp=1, etp=None):
         return dict(start=start, end=H.full_weights(chunks, opt), losses=losses,
                     whitened=sum(o.whitened_matrices for o in inner), kinds=[type(w).__name__ for w in opt.chained_optimizers],
                     groups=[sorted(dist.get_process_group_ranks(o.process_group)) for o in inner],
+                    stage=ps.get_pipeline_model_parallel_rank(),
                     summary=inner[-1].summary())
     finally:
         ps.destroy_model_parallel()
@@ -82,6 +83,30 @@ def test_expert_parallel_2_x_data_parallel_2_distributed_optimizer_equals_one_pr
     assert all(r["kinds"] == ["SwanDistributedOptimizer", "SwanDistributedOptimizer"] for r in res), res[0]["kinds"]
     # experts of EP rank 0 on ranks 0 and 2, of EP rank 1 on ranks 1 and 3: each whitened once, by one of them
     assert [r["groups"][1] for r in res] == [[0, 2], [1, 3], [0, 2], [1, 3]]
+    assert sum(r["whitened"] for r in res) == STEPS * PER_STEP
+
+
+def test_expert_parallel_2_x_pipeline_2_distributed_optimizer_equals_one_process(reference):
+    """PP=2 x (DP=2 with EP=2 inside it) at W=4: each stage holds one MoE layer, each of its ranks two of
+    the four experts; the stages together equal one process, every matrix whitened once per step."""
+    res = run_distributed(_worker, 4, 2, True, reference["start"], 1, None, 2, timeout=500)
+    stages = [[r for r in res if r["stage"] == s] for s in (0, 1)]
+    assert [len(s) for s in stages] == [2, 2]
+    end: dict[str, torch.Tensor] = {}
+    for r in res:
+        for name, w in r["end"].items():
+            if name in end:
+                assert torch.equal(end[name], w), name  # a weight two ranks hold (dense, DP) is the same
+            end[name] = w
+    assert set(end) == set(reference["end"])
+    for name, w in reference["end"].items():
+        assert not torch.equal(w, reference["start"][name]), name
+        torch.testing.assert_close(end[name], w, rtol=1e-4, atol=2e-5, msg=name)
+    for r in res:
+        assert r["losses"] == pytest.approx(reference["losses"], rel=1e-5)
+        assert r["kinds"] == ["SwanDistributedOptimizer", "SwanDistributedOptimizer"]
+    # dense matrices over the stage's two ranks; the expert optimizer over each rank alone (EP = DP here)
+    assert [r["groups"] for r in res] == [[[0, 1], [0]], [[0, 1], [1]], [[2, 3], [2]], [[2, 3], [3]]]
     assert sum(r["whitened"] for r in res) == STEPS * PER_STEP
 
 
