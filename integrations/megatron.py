@@ -38,13 +38,14 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from swan_dist.adapter import Adapter, Member, Piece, flat_piece, tensor_piece
+from swan_dist.adapter import Adapter, Form, Member, Piece, flat_piece, tensor_piece
 from swan_dist.routing import Layout
 
 SHARD = "_swan_main_shard"  # on a model param under the distributed optimizer: (fp32 shard | None, start, end)
 TP_DIM = "_swan_tp_dim"  # partition dim of a TP layer's weight built without Megatron's attributes
 SPLIT, PARTS = "_swan_split", "_swan_parts"  # a fused matrix's row pattern (one period) and its parts' names
-_OURS = (TP_DIM, SPLIT, PARTS)
+STACKED = "_swan_stacked"  # on GroupedMLP's weight1/weight2: (E, rows, cols) of the (in, out) stack in its memory
+_OURS = (TP_DIM, SPLIT, PARTS, STACKED)
 
 
 def _expert(tensor: Tensor) -> bool:
@@ -73,12 +74,9 @@ def mark_fused(model: nn.Module, split_qkv: bool = True, split_glu: bool = True)
     from megatron.core.transformer.moe.experts import GroupedMLP
 
     for name, mod in model.named_modules():
-        if isinstance(mod, GroupedMLP):  # before any collective: every rank with experts sees it alike
-            raise ValueError(
-                f"swan_dist: {name + '.weight1'!r} is the legacy GroupedMLP's stack of all local experts in one "
-                "matrix (--moe-grouped-gemm without Transformer Engine, or --moe-use-legacy-grouped-gemm); SWAN "
-                "whitens each expert apart and cannot split that stack: drop --moe-grouped-gemm (SequentialMLP, "
-                "per-expert weights)")
+        if isinstance(mod, GroupedMLP):
+            _mark_grouped(name, mod, split_glu)
+            continue
         w, split, parts = None, (), ""
         if isinstance(mod, SelfAttention) and getattr(mod, "linear_qkv", None) is not None:
             w, cfg = mod.linear_qkv.weight, mod.config
@@ -93,6 +91,28 @@ def mark_fused(model: nn.Module, split_qkv: bool = True, split_glu: bool = True)
         if isinstance(w, Tensor):
             setattr(w, SPLIT, split)
             setattr(w, PARTS, parts)
+
+
+def _mark_grouped(name: str, mod: nn.Module, split_glu: bool) -> None:
+    """The legacy GroupedMLP keeps its E local experts in one ``weight1`` ``(hidden, E·2f)`` and one
+    ``weight2`` ``(E·f, hidden)``, read as ``view(E, hidden, -1)`` and ``view(E, -1, hidden)``: each expert's
+    matrix is a contiguous block stored ``(in, out)``. Recorded here as that stack, so that each expert
+    is whitened alone, transposed, gate and up of a gated ``weight1`` apart (as SequentialMLP's experts)."""
+    from megatron.core import parallel_state as ps
+
+    if ps.get_expert_tensor_parallel_world_size() > 1:  # decided alike on every rank, before any collective
+        raise ValueError(
+            f"swan_dist: {name + '.weight1'!r} is the legacy GroupedMLP's stack of experts cut by expert tensor "
+            "parallelism, which SWAN does not map; use --expert-tensor-parallel-size 1, or drop "
+            "--moe-grouped-gemm (SequentialMLP, per-expert weights)")
+    e, hidden = mod.num_local_experts, mod.config.hidden_size
+    for w in (mod.weight1, mod.weight2):
+        rows = hidden if w is mod.weight1 else w.shape[0] // e
+        setattr(w, STACKED, (e, rows, w.numel() // (e * rows)))
+    half = mod.weight1.shape[1] // (2 * e)
+    gated = mod.config.gated_linear_unit and split_glu
+    setattr(mod.weight1, SPLIT, (half, half) if gated else ())
+    setattr(mod.weight1, PARTS, "gate, up (gated linear unit)" if gated else "")
 
 
 def _copy_marks(dst: Tensor, src: Tensor) -> None:
@@ -119,17 +139,31 @@ class MegatronAdapter(Adapter):
             mark_fused(model)
 
     def claims(self, tensor: Tensor) -> bool:
-        return _dim(tensor) is not None and type(tensor).__name__ != "DTensor"
+        return (_dim(tensor) is not None or hasattr(tensor, STACKED)) and type(tensor).__name__ != "DTensor"
 
     def shape(self, tensor: Tensor) -> tuple[int, ...]:
+        stacked = getattr(tensor, STACKED, None)
+        if stacked is not None:  # GroupedMLP: its memory, as the rows of its E (in, out) matrices
+            e, rows, cols = stacked
+            return (e * rows, cols)
         _, size = _tp(tensor)
         dim = _dim(tensor)
         return tuple(s * size if d == dim else s for d, s in enumerate(tensor.shape))
+
+    def form(self, module: nn.Module, param_name: str, shape: tuple[int, ...]) -> Form | None:
+        stacked = getattr(getattr(module, param_name, None), STACKED, None)
+        if stacked is None or param_name not in ("weight1", "weight2"):
+            return None
+        return Form(transposed=True, stack=stacked[0], whiten=True,
+                    what=f"GroupedMLP experts ({param_name}, E={stacked[0]}), stored (in, out): whitened per expert, "
+                         "transposed")
 
     def members(self, tensor: Tensor, name: str | None) -> list[Member]:
         return [Member(name, self.shape(tensor), tensor, parts=getattr(tensor, PARTS, ""))]
 
     def check(self, tensor: Tensor, name: str) -> None:
+        if hasattr(tensor, STACKED):
+            return
         if tensor.dim() not in (1, 2) or _dim(tensor) not in range(tensor.dim()):
             raise ValueError(f"swan_dist: Megatron parameter {name!r} of local shape {list(tensor.shape)} is cut on dim "
                              f"{_dim(tensor)}; SWAN maps 2-D weights cut on dim 0 or 1, and 1-D ones")
@@ -154,7 +188,7 @@ class MegatronAdapter(Adapter):
         out = []
         for name, p in originals:
             shard, start, end = getattr(p, SHARD)
-            tp = _dim(p) is not None
+            tp = self.claims(p)
             rank = _tp(p)[0] if tp else 0
             shape = self.shape(p) if tp else tuple(p.shape)
             layout = self._layout(p) if tp else Layout()

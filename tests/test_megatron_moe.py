@@ -110,7 +110,23 @@ def test_expert_parallel_2_x_pipeline_2_distributed_optimizer_equals_one_process
     assert sum(r["whitened"] for r in res) == STEPS * PER_STEP
 
 
-def _grouped_worker(rank, world):
+def _copy_into_grouped(seq: dict, grp: dict, experts_local: int) -> None:
+    """SequentialMLP's tensors (``seq``: name -> tensor) into the GroupedMLP model's (``grp``): dense ones by
+    name; each local expert's fc1 / fc2 (out, in) into its block of weight1 / weight2, stored (in, out)."""
+    for name, t in grp.items():
+        if name.endswith(("experts.weight1", "experts.weight2")):
+            prefix, w = name.rsplit(".", 1)
+            fc = "linear_fc1" if w == "weight1" else "linear_fc2"
+            blocks = [seq[f"{prefix}.local_experts.{j}.{fc}.weight"].t() for j in range(experts_local)]
+            t.view(experts_local, *blocks[0].shape).copy_(torch.stack(blocks))
+        else:
+            t.copy_(seq[name])
+
+
+def _grouped_worker(rank, world, ep, distopt, etp=1):
+    """The same weights and gradients in a SequentialMLP model and a legacy GroupedMLP one (built here
+    only: its forward needs the CUDA ``grouped_gemm`` package, whose presence is all its constructor
+    asks), one optimizer step each; returns both models' weights, GroupedMLP's rearranged per expert."""
     from megatron.core import parallel_state as ps
     from megatron.core.optimizer import OptimizerConfig
     from megatron.core.transformer.moe import grouped_gemm_util
@@ -118,22 +134,63 @@ def _grouped_worker(rank, world):
     import megatron_harness as H
     from swan_dist.integrations.megatron import get_swan_optimizer
 
-    grouped_gemm_util.grouped_gemm = object()  # GroupedMLP's constructor asks only that its CUDA package exists
-    ps.initialize_model_parallel(expert_model_parallel_size=world)
+    grouped_gemm_util.grouped_gemm = object()
+    ps.initialize_model_parallel(expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
     try:
-        chunks, _ = H.build_gpt(1, experts=EXPERTS, grouped=True, **SHAPE)
-        assert type(chunks[0].module.decoder.layers[0].mlp.experts).__name__ == "GroupedMLP"
+        seq_chunks, _ = H.build_gpt(1, experts=EXPERTS, use_distributed_optimizer=distopt, **SHAPE)
+        grp_chunks, _ = H.build_gpt(1, experts=EXPERTS, grouped=True, use_distributed_optimizer=distopt,
+                                    moe=dict(expert_tensor_parallel_size=etp), **SHAPE)
+        seq_model, grp_model = seq_chunks[0].module, grp_chunks[0].module
+        assert type(grp_model.decoder.layers[0].mlp.experts).__name__ == "GroupedMLP"
+        seq, grp = dict(seq_model.named_parameters()), dict(grp_model.named_parameters())
+        local = EXPERTS // ep
+        with torch.no_grad():
+            _copy_into_grouped({n: p.data for n, p in seq.items()}, {n: p.data for n, p in grp.items()}, local)
+        cfg = OptimizerConfig(lr=LR, weight_decay=0.1, use_distributed_optimizer=distopt, clip_grad=0.0)
         try:
-            get_swan_optimizer(OptimizerConfig(lr=LR), chunks, swan={"verbose": False})
+            opts = [get_swan_optimizer(cfg, c, swan={"verbose": False, "bucket_mb": 0.001})
+                    for c in (seq_chunks, grp_chunks)]
         except ValueError as e:
-            return str(e)
-        return None
+            return dict(error=str(e))
+        g = torch.Generator().manual_seed(7)  # the same gradients on every rank: a data-parallel mean
+        grads = {n: torch.randn(p.shape, generator=g) for n, p in sorted(seq.items())}
+        with torch.no_grad():
+            for n, p in seq.items():
+                p.main_grad.copy_(grads[n])
+            _copy_into_grouped(grads, {n: p.main_grad for n, p in grp.items()}, local)
+        for opt in opts:
+            assert opt.step()[0]
+        inner = [[w.optimizer for w in o.chained_optimizers if w.optimizer is not None] for o in opts]
+        out = {}
+        for n, p in grp.items():
+            if n.endswith(("experts.weight1", "experts.weight2")):
+                prefix, w = n.rsplit(".", 1)
+                fc = "linear_fc1" if w == "weight1" else "linear_fc2"
+                blocks = p.data.view(local, *seq[f"{prefix}.local_experts.0.{fc}.weight"].shape[::-1])
+                out.update({f"{prefix}.local_experts.{j}.{fc}.weight": blocks[j].t().clone() for j in range(local)})
+            else:
+                out[n] = p.data.clone()
+        return dict(seq={n: p.data.clone() for n, p in seq.items()}, grp=out,
+                    whitened=[sum(o.whitened_matrices for o in i) for i in inner],
+                    summary="\n".join(o.summary() for o in inner[1]))
     finally:
         ps.destroy_model_parallel()
 
 
-def test_legacy_grouped_mlp_is_refused_on_every_rank_naming_the_stack():
-    """GroupedMLP holds all local experts in one weight1/weight2: whitened whole it would mix the experts,
-    so the optimizer is refused (before any collective) naming the stack and what to use instead."""
-    for msg in run_distributed(_grouped_worker, 2, timeout=200):
-        assert msg is not None and "decoder.layers.0.mlp.experts.weight1" in msg and "drop --moe-grouped-gemm" in msg
+@pytest.mark.parametrize("ep", [1, 2], ids=["ep1-dp2", "ep2"])
+def test_legacy_grouped_mlp_equals_sequential_mlp(ep):
+    """GroupedMLP (all local experts in one weight1 / weight2, each expert a block stored (in, out)) is
+    whitened per expert, gate and up apart, transposed: one step from the same weights and gradients
+    equals SequentialMLP's, with the distributed optimizer; at EP=1 x DP=2 its stacks are cut by the
+    optimizer's shards and whitened on owners, at EP=2 each rank's experts by itself."""
+    for r in run_distributed(_grouped_worker, 2, ep, True, timeout=300):
+        assert set(r["grp"]) == set(r["seq"])
+        for name, w in r["seq"].items():
+            torch.testing.assert_close(r["grp"][name], w, rtol=1e-5, atol=1e-6, msg=name)
+        assert r["whitened"][0] == r["whitened"][1] > 0
+        assert "GroupedMLP experts (weight1, E=" in r["summary"] and "gate, up" in r["summary"], r["summary"]
+
+
+def test_legacy_grouped_mlp_cut_by_expert_tensor_parallelism_is_refused_on_every_rank():
+    for r in run_distributed(_grouped_worker, 2, 1, False, 2, timeout=300):
+        assert "experts.weight1" in r["error"] and "--expert-tensor-parallel-size 1" in r["error"], r
