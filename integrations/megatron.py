@@ -506,6 +506,15 @@ def get_swan_optimizer(config, model_chunks, config_overrides=None, use_gloo_pro
     if chunks and getattr(getattr(chunks[0], "ddp_config", None), "use_megatron_fsdp", False):
         raise ValueError("swan_dist: Megatron FSDP (use_megatron_fsdp / --use-megatron-fsdp) is not supported with "
                          "SWAN; use --use-distributed-optimizer (ZeRO-1 style shards) instead")
+    if (any(getattr(getattr(c, "config", None), "num_moe_experts", None) for c in chunks)
+            and ps.get_expert_model_parallel_world_size() == 1
+            and ps.get_expert_tensor_parallel_world_size() != ps.get_tensor_model_parallel_world_size()):
+        raise ValueError(
+            f"swan_dist: expert tensor-parallel size {ps.get_expert_tensor_parallel_world_size()} differs from the "
+            f"tensor-parallel size {ps.get_tensor_model_parallel_world_size()} at expert-parallel size 1: Megatron "
+            "then marks the experts as dense and reduces their gradients over the dense data-parallel ranks, which "
+            "hold other slices of them; set --expert-tensor-parallel-size to the tensor-parallel size, or use "
+            "--expert-model-parallel-size > 1")
     opts = _swan_kwargs(config, swan)
     split_qkv, split_glu = opts.pop("split_qkv"), opts.pop("split_glu")
     for chunk in chunks:

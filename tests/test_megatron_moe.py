@@ -6,8 +6,7 @@ distributed optimizer and overlapped gradient reduction at W=4. Each expert matr
 ``linear_fc1`` apart) is whitened once per step, inside its expert-data-parallel group.
 
 Not runnable here: MoE with dense TP > 1 (Megatron requires sequence parallelism there, whose LayerNorm
-needs Transformer Engine) and expert TP > 1 (its token all-gather has rank-dependent sizes, which gloo's
-all_gather refuses); SWAN's expert group covers them (the expert TP x expert DP ranks)."""
+needs Transformer Engine)."""
 
 from __future__ import annotations
 
@@ -84,6 +83,32 @@ def test_expert_parallel_2_x_data_parallel_2_distributed_optimizer_equals_one_pr
     # experts of EP rank 0 on ranks 0 and 2, of EP rank 1 on ranks 1 and 3: each whitened once, by one of them
     assert [r["groups"][1] for r in res] == [[0, 2], [1, 3], [0, 2], [1, 3]]
     assert sum(r["whitened"] for r in res) == STEPS * PER_STEP
+
+
+def _etp_worker(rank, world):
+    from megatron.core import parallel_state as ps
+    from megatron.core.optimizer import OptimizerConfig
+
+    import megatron_harness as H
+    from swan_dist.integrations.megatron import get_swan_optimizer
+
+    ps.initialize_model_parallel(expert_tensor_parallel_size=2)
+    try:
+        chunks, _ = H.build_gpt(1, experts=EXPERTS, moe=dict(expert_tensor_parallel_size=2), **SHAPE)
+        assert chunks[0].module.decoder.layers[0].mlp.experts.local_experts[0].linear_fc1.weight.shape[0] == SHAPE["ffn"]
+        try:
+            get_swan_optimizer(OptimizerConfig(lr=LR), chunks, swan={"verbose": False})
+        except ValueError as e:
+            return str(e)
+    finally:
+        ps.destroy_model_parallel()
+
+
+def test_expert_tensor_parallelism_without_expert_parallelism_is_refused_on_every_rank():
+    """Expert TP=2 at EP=1 (dense TP=1): each rank holds half of each expert, yet Megatron marks experts
+    dense then and averages their gradients over both ranks; refused on every rank, saying what to set."""
+    for msg in run_distributed(_etp_worker, 2, timeout=200):
+        assert msg is not None and "--expert-tensor-parallel-size" in msg and "expert-parallel size 1" in msg, msg
 
 
 def test_expert_parallel_2_x_pipeline_2_distributed_optimizer_equals_one_process(reference):
@@ -192,5 +217,5 @@ def test_legacy_grouped_mlp_equals_sequential_mlp(ep):
 
 
 def test_legacy_grouped_mlp_cut_by_expert_tensor_parallelism_is_refused_on_every_rank():
-    for r in run_distributed(_grouped_worker, 2, 1, False, 2, timeout=300):
+    for r in run_distributed(_grouped_worker, 4, 2, False, 2, timeout=300):  # EP=2 x expert TP=2
         assert "experts.weight1" in r["error"] and "--expert-tensor-parallel-size 1" in r["error"], r
