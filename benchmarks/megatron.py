@@ -491,7 +491,7 @@ def main() -> None:
                     help="leave out Megatron's Muon (it runs where emerging-optimizers is installed)")
     ap.add_argument("--sweep", type=int, default=0, metavar="N",
                     help="instead: the loss after N iterations on text, per optimizer and lr (--lrs), CPU")
-    ap.add_argument("--lrs", default="megatron-adam=5e-4,1e-3,2e-3;megatron-muon=1e-3,3e-3,1e-2;swan=2.5e-3,5e-3,1e-2",
+    ap.add_argument("--lrs", default="megatron-adam=5e-4,1e-3,2e-3;megatron-muon=5e-4,1e-3,3e-3;swan=2.5e-3,5e-3,1e-2",
                     help="the sweep's lrs: OPTIMIZER=LR,LR;...")
     ap.add_argument("--no-write", action="store_true", help="print only, do not update docs/benchmarks.md")
     a = ap.parse_args()
