@@ -176,8 +176,34 @@ class _MoEStream(_Stream):
 
 
 _MOE_STREAM = _MoEStream()
+
+
+def _all_gather_v(outputs, input_, group=None, async_op=False):
+    """``dist.all_gather`` into outputs of a size per rank (mappings.py:150: the expert-TP token gather
+    under EP > 1), which NCCL takes and gloo refuses: each piece padded to the largest along dim 0."""
+    if len({o.shape for o in outputs}) == 1:
+        return dist.all_gather(outputs, input_, group=group, async_op=async_op)
+    most = max(o.shape[0] for o in outputs)
+    pad = input_.new_zeros((most, *input_.shape[1:]))
+    pad[: input_.shape[0]] = input_
+    padded = [torch.empty_like(pad) for _ in outputs]
+    dist.all_gather(padded, pad, group=group)
+    for o, q in zip(outputs, padded):
+        o.copy_(q[: o.shape[0]])
+
+
+def _reduce_scatter_v(output, inputs, group=None, op=dist.ReduceOp.SUM, async_op=False):
+    """``dist.reduce_scatter`` of inputs of a size per rank (mappings.py:193, the gather's backward), which
+    gloo does not offer: the whole concatenation all-reduced, this rank's piece kept (more bytes, same sums)."""
+    whole = torch.cat([t.reshape(t.shape[0], -1) for t in inputs])
+    dist.all_reduce(whole, op=op, group=group)
+    start = sum(t.shape[0] for t in inputs[: dist.get_rank(group)])
+    output.copy_(whole[start : start + output.shape[0]].view_as(output))
+
+
 MOE_TORCH = _Proxy(CPU_TORCH, cuda=_Proxy(CPU_CUDA, current_stream=lambda *a, **k: _MOE_STREAM,
-                                          Stream=lambda *a, **k: _MOE_STREAM))
+                                          Stream=lambda *a, **k: _MOE_STREAM),
+                   distributed=_Proxy(dist, all_gather=_all_gather_v, reduce_scatter=_reduce_scatter_v))
 
 
 def install_moe_shims() -> None:
@@ -189,6 +215,7 @@ def install_moe_shims() -> None:
     the expert all-to-all (mappings.py:91-181, 442) is a proxy that keeps tensors on the CPU. The
     all-to-all dispatcher hands ``all_to_all_single`` split sizes converted by ``maybe_move_tensor_to_cpu``
     (moe_utils.py:1077-1100), which turns only CUDA tensors into numpy: CPU ones are given too.
+    The mappings' uneven all-gather and reduce-scatter (expert TP > 1 with EP > 1) run padded on gloo.
     Flags that need Transformer Engine or CUDA: ``moe_router_fusion``, ``moe_permute_fusion``,
     ``moe_grouped_gemm`` (GroupedMLP needs the CUDA ``grouped_gemm`` package), the ``flex`` dispatcher."""
     install_cpu_shims()

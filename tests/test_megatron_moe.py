@@ -111,6 +111,19 @@ def test_expert_tensor_parallelism_without_expert_parallelism_is_refused_on_ever
         assert msg is not None and "--expert-tensor-parallel-size" in msg and "expert-parallel size 1" in msg, msg
 
 
+def test_expert_parallel_2_x_expert_tensor_parallel_2_equals_one_process(reference):
+    """EP=2 x expert TP=2 at W=4 (dense TP=1, DP=4): each expert's fc1 cut by rows and fc2 by columns over
+    the two ranks of its expert TP group; each expert matrix is whitened whole, once, inside that group,
+    and the run equals one process. (The token all-gather over the expert TP group has a size per rank:
+    the harness gives gloo the padded form NCCL does not need.)"""
+    res = run_distributed(_worker, 4, 2, False, reference["start"], 1, 2, timeout=500)
+    _assert_equal(res, reference)
+    experts = [tuple(r["groups"][1]) for r in res]
+    assert all(len(g) == 2 for g in experts) and sorted(set(experts)) == [(0, 1), (2, 3)], experts
+    assert all(r["groups"][0] == [0, 1, 2, 3] for r in res)
+    assert sum(r["whitened"] for r in res) == STEPS * PER_STEP
+
+
 def test_expert_parallel_2_x_pipeline_2_distributed_optimizer_equals_one_process(reference):
     """PP=2 x (DP=2 with EP=2 inside it) at W=4: each stage holds one MoE layer, each of its ranks two of
     the four experts; the stages together equal one process, every matrix whitened once per step."""
