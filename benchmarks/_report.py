@@ -22,13 +22,15 @@ HEADER = (
 
 
 def _commit() -> str:
-    """The checkout's commit, with ``+changes`` where the working tree differs from it."""
+    """The checkout's commit, with ``+changes`` where the working tree differs from it (other than in
+    what benchmarks write, docs/benchmarks.md and docs/results/: an earlier benchmark of the same session)."""
     root = DOC.parent.parent
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
                               check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
-                               capture_output=True, text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".",
+                                f":!{DOC.relative_to(root)}", f":!{(DOC.parent / 'results').relative_to(root)}"],
+                               cwd=root, capture_output=True, text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
     return head + (" +changes" if dirty else "")

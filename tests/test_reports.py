@@ -39,3 +39,26 @@ def test_every_section_is_stamped_and_kept_as_json(page):
 def test_tables_are_read_cell_by_cell():
     body = "text\n\n| a | b |\n|---|---:|\n| 1 | x y |\n| 2 | **3** |\n\nmore"
     assert report.tables(body) == [{"header": ["a", "b"], "rows": [["1", "x y"], ["2", "**3**"]]}]
+
+
+def test_commit_stamp_ignores_only_what_benchmarks_write(tmp_path, monkeypatch):
+    """A second benchmark of a session sees the first one's docs/benchmarks.md and docs/results/ changed:
+    its commit stays clean; any other change to a tracked file is '+changes'."""
+    import subprocess
+
+    def git(*args):
+        subprocess.run(["git", *args], cwd=tmp_path, check=True, capture_output=True)
+
+    (tmp_path / "docs" / "results").mkdir(parents=True)
+    for name in ("docs/benchmarks.md", "docs/results/a.json", "code.py"):
+        (tmp_path / name).write_text("0\n")
+    git("init", "-q")
+    git("add", "-A")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "c")
+    monkeypatch.setattr(report, "DOC", tmp_path / "docs" / "benchmarks.md")
+    (tmp_path / "docs" / "benchmarks.md").write_text("1\n")
+    (tmp_path / "docs" / "results" / "a.json").write_text("1\n")
+    clean = report._commit()
+    assert clean != "unknown" and not clean.endswith("+changes"), clean
+    (tmp_path / "code.py").write_text("1\n")
+    assert report._commit().endswith(" +changes")
