@@ -630,9 +630,47 @@ def _owner_buckets(costs: Sequence[float], nbytes: Sequence[int], ranges: Ranges
             total[r] += sum(costs[m] for m in cell)
             loads[r] = total[r]
             owners.update((m, r) for m in cell)
-        out.append(Bucket(sorted(owners), {m: owners[m] for m in sorted(owners)}))
+        owners = _holders_first({m: owners[m] for m in sorted(owners)}, costs, nbytes, held)
+        out.append(Bucket(sorted(owners), owners))
     for m in alone:
         out.append(Bucket([m], {m: _pick(held[m], torch.zeros(world, dtype=torch.float64), None)}))
+    return out
+
+
+def _holders_first(owners: dict[int, int], costs: Sequence[float], nbytes: Sequence[int], held: Tensor
+                   ) -> dict[int, int]:
+    """One bucket's owners with interchangeable matrices (the same cost and bytes: every owner keeps its
+    load and byte room) exchanged so that each is computed where most of it already lies. Greedy on
+    elements held, largest first (ties: lower matrix, then lower rank), kept only where it moves fewer
+    elements than the owners given. Matters where shards hold whole matrices (a distributed optimizer's
+    or ZeRO's flat ranges, experts on their own ranks); row shards hold the same of each, and pass."""
+    groups: dict[tuple[float, int], list[int]] = {}
+    for m in owners:
+        groups.setdefault((costs[m], nbytes[m]), []).append(m)
+    out = dict(owners)
+    for ms in groups.values():
+        ranks = sorted({owners[m] for m in ms})
+        if len(ranks) < 2:
+            continue
+        h = held[torch.tensor(ms)][:, torch.tensor(ranks)]  # (matrix, rank): elements held
+        if bool((h.amax(1) == h.amin(1)).all()):
+            continue
+        col = {r: j for j, r in enumerate(ranks)}
+        room = [0] * len(ranks)
+        for m in ms:
+            room[col[owners[m]]] += 1
+        mine: dict[int, int] = {}
+        for k in torch.argsort(-h.flatten(), stable=True).tolist():
+            i, j = divmod(k, len(ranks))
+            if ms[i] in mine or not room[j]:
+                continue
+            mine[ms[i]] = ranks[j]
+            room[j] -= 1
+            if len(mine) == len(ms):
+                break
+        gained = sum(int(h[i, col[mine[m]]]) - int(h[i, col[owners[m]]]) for i, m in enumerate(ms))
+        if gained > 0:
+            out.update(mine)
     return out
 
 

@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from swan_dist.functional import WhitenConfig
 from swan_dist.routing import MatrixSpec, build_plan, row_shard_ranges
@@ -143,6 +144,33 @@ def test_owner_is_a_rank_holding_the_matrix_when_it_costs_nothing():
     plan = build_plan(specs, ranges)
     assert plan.buckets[0].owners == {m: (m - 1) % world for m in range(world)}
     assert sum(len(plan.forward_segments(b, s, d)) for b in plan.buckets for s in range(world) for d in range(world)) == 0
+
+
+@pytest.mark.parametrize("world, per_rank", [(2, 4), (3, 2), (4, 3)])
+def test_equal_matrices_held_whole_are_computed_where_they_lie(world, per_rank):
+    """A distributed optimizer's contiguous shards: rank r holds matrices r*k .. r*k+k-1 whole, all of one
+    shape. A balanced plan can give each rank k of them; with owners exchanged among interchangeable
+    matrices it gives each rank its own, and no element moves (without the exchange half of them moved)."""
+    n = world * per_rank
+    specs = [MatrixSpec(f"m{i}", (8, 8), NS) for i in range(n)]
+    ranges = [[(0, 64) if m // per_rank == r else (0, 0) for m in range(n)] for r in range(world)]
+    plan = build_plan(specs, ranges)
+    owners = {m: o for b in plan.buckets for m, o in b.owners.items()}
+    assert owners == {m: m // per_rank for m in range(n)}
+    assert plan.bytes_moved() == 0
+    loads = [sum(plan.costs[m] for m, o in owners.items() if o == r) for r in range(world)]
+    assert max(loads) == min(loads)  # still balanced
+
+
+def test_holders_first_keeps_loads_and_takes_only_a_gain():
+    """Owners are exchanged only among matrices of equal cost and bytes, and only where fewer elements move."""
+    from swan_dist.routing import _holders_first
+
+    costs, nbytes = [1.0, 1.0, 2.0, 2.0], [4, 4, 8, 8]
+    held = torch.tensor([[0, 9], [9, 0], [5, 5], [5, 5]])  # held[m][r]
+    assert _holders_first({0: 0, 1: 1, 2: 0, 3: 1}, costs, nbytes, held) == {0: 1, 1: 0, 2: 0, 3: 1}
+    assert _holders_first({0: 1, 1: 0, 2: 1, 3: 0}, costs, nbytes, held) == {0: 1, 1: 0, 2: 1, 3: 0}
+    assert _holders_first({0: 0, 1: 0, 2: 0, 3: 1}, costs, nbytes, held) == {0: 0, 1: 0, 2: 0, 3: 1}  # one rank
 
 
 # ----------------------------------------------------------------------------------- determinism
