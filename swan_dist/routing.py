@@ -9,7 +9,8 @@ builds a :class:`Plan`, identical on all ranks:
   direction and ends at its slowest owner, so matrices are grouped into buckets (not necessarily
   consecutive) and owners to minimise Σ over buckets of the slowest owner's cost on the whitening
   cost model, each owner assembling at most ``bucket_bytes`` of full fp32 matrices per bucket (one
-  larger matrix alone) so its transient memory is bounded; in ``replicated`` mode every rank
+  larger matrix alone) so its transient memory is bounded, then exchanges owners of interchangeable
+  matrices so each is computed where it lies; in ``replicated`` mode every rank
   computes every matrix (the paper's "w/o MP"), in buckets of consecutive matrices;
 - sources: for each (matrix, computing rank) a disjoint cover of ``[0, numel)`` by ranges of the
   holders, preferring what the computing rank already holds (nothing is sent for it).
