@@ -424,8 +424,8 @@ def _table(rows: list[dict], a, world: int) -> str:
                     notes.append(
                         f"{layout}: most matrices lie wholly in one rank's shard, and with that rank as owner only "
                         f"the matrices a shard boundary cuts would move: {mb(r['best'])} MiB per step. The planner "
-                        "chooses owners to balance whitening cost (what a rank already holds only breaks ties), so "
-                        f"{mb(r['sent'])} MiB moved, the minimum for the owners it chose.")
+                        "balances whitening cost first and moves a matrix to where it lies only among matrices of "
+                        f"equal cost, so {mb(r['sent'])} MiB moved, the minimum for the owners it chose.")
             else:
                 label = f"Megatron Adam (`{r['kind']}` in `{wrapper}`)"
                 swan, vs = ("-", "-", "-", "-"), ("1.00x", "1.00")
