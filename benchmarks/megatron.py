@@ -156,7 +156,7 @@ def _optimizer(name: str, chunks: list, lr: float, distopt: bool):
 
     from swan_dist.integrations.megatron import get_swan_optimizer
 
-    cfg = OptimizerConfig(optimizer="adam", lr=lr, weight_decay=0.1, use_distributed_optimizer=distopt)
+    cfg = OptimizerConfig(optimizer="adam", lr=lr, min_lr=lr / 10, weight_decay=0.1, use_distributed_optimizer=distopt)
     if name == "swan":
         return get_swan_optimizer(cfg, chunks, swan={"preset": "swan_ddagger", "verbose": False})
     if name == "megatron-adam":
@@ -212,7 +212,7 @@ def _run(rank: int, world: int, local_rank: int, a) -> list | None:
     cuda = torch.cuda.is_available()
     dev = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    import megatron_harness as harness  # global_batch, dp_share, train_step (device-agnostic but for the batch)
+    import megatron_harness as harness  # global_batch, dp_share, train_step, lr_schedule (device-agnostic but the batch)
     if not cuda:
         harness.install_cpu_shims()
 
@@ -230,6 +230,7 @@ def _run(rank: int, world: int, local_rank: int, a) -> list | None:
                 sharded = distopt and "muon" not in name
                 chunks = _build(tp, sharded, a, cuda, EXPERTS if ep > 1 else 0)
                 opt = _optimizer(name, chunks, 1e-3, sharded)
+                schedule = harness.lr_schedule(opt, 1e-3, a.warmup + a.steps, 0.1)  # a new lr every iteration
                 step_t: list[float] = []
                 wrapped = opt.step
 
@@ -254,6 +255,7 @@ def _run(rank: int, world: int, local_rank: int, a) -> list | None:
                     sync()
                     t0 = time.perf_counter()
                     loss = harness.train_step(chunks, opt, batch)
+                    schedule.step(1)
                     sync()
                     iter_t.append(time.perf_counter() - t0)
                 sent = (sum(ex.bytes_sent for ex in _exchanges(opt)) - sent0) / a.steps
@@ -394,7 +396,8 @@ def _table(rows: list[dict], a, world: int) -> str:
         f"megatron-core {megatron.core.__version__} `GPTModel` (hidden {a.hidden}, ffn {a.ffn} SwiGLU, {a.layers} "
         f"layers, {a.heads} heads / {a.query_groups} query groups, vocab {a.vocab}, seq {a.seq}, tied embeddings, "
         f"fp32) in Megatron DDP, W = {world} on {device}; global batch {a.batch}x{a.seq} tokens; median of {a.steps} "
-        f"iterations after {a.warmup} warm-up, slowest rank. **step**: Megatron's `optimizer.step()` (gradient norm "
+        f"iterations after {a.warmup} warm-up, slowest rank, under Megatron's `OptimizerParamScheduler` (warm-up, "
+        "then cosine: a new lr every iteration). **step**: Megatron's `optimizer.step()` (gradient norm "
         "and clipping, the inner optimizer, and under the distributed optimizer the all-gather of updated "
         "parameters); **iteration**: forward, backward (with DDP's gradient reduction) and step. **state**: the "
         "inner optimizer's state tensors, on the rank holding the most. **sent**: bytes SWAN's owner engine sent "

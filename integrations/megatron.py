@@ -484,6 +484,27 @@ def _wrappers(optimizer) -> list:
     return list(getattr(optimizer, "chained_optimizers", [optimizer]))
 
 
+def _refuse_unsupported(config, chunks: list) -> None:
+    """Configurations SWAN cannot serve, refused before any collective (decided from what every rank
+    sees alike), each naming the flag and what to use instead."""
+    from megatron.core import parallel_state as ps
+
+    for key, why in _REFUSED.items():
+        if getattr(config, key, False):
+            raise ValueError(f"swan_dist: OptimizerConfig.{key}=True is not supported with SWAN: {why}")
+    if chunks and getattr(getattr(chunks[0], "ddp_config", None), "use_megatron_fsdp", False):
+        raise ValueError("swan_dist: Megatron FSDP (use_megatron_fsdp / --use-megatron-fsdp) is not supported with "
+                         "SWAN; use --use-distributed-optimizer (ZeRO-1 style shards) instead")
+    etp, tp = ps.get_expert_tensor_parallel_world_size(), ps.get_tensor_model_parallel_world_size()
+    moe = any(getattr(getattr(c, "config", None), "num_moe_experts", None) for c in chunks)
+    if moe and ps.get_expert_model_parallel_world_size() == 1 and etp != tp:
+        raise ValueError(
+            f"swan_dist: expert tensor-parallel size {etp} differs from the tensor-parallel size {tp} at "
+            "expert-parallel size 1: Megatron then marks the experts as dense and reduces their gradients over the "
+            "dense data-parallel ranks, which hold other slices of them; set --expert-tensor-parallel-size to the "
+            "tensor-parallel size, or use --expert-model-parallel-size > 1")
+
+
 def get_swan_optimizer(config, model_chunks, config_overrides=None, use_gloo_process_groups: bool = True,
                        pg_collection=None, dump_param_to_param_group_map=None, *, swan: dict | None = None):
     """``megatron.core.optimizer.get_megatron_optimizer`` with SWAN as the inner optimizer.
@@ -499,22 +520,8 @@ def get_swan_optimizer(config, model_chunks, config_overrides=None, use_gloo_pro
     from megatron.core.optimizer import DistributedOptimizer, Float16OptimizerWithFloat16Params, get_megatron_optimizer
     from swan_dist import SWAN, tag_model
 
-    for key, why in _REFUSED.items():
-        if getattr(config, key, False):
-            raise ValueError(f"swan_dist: OptimizerConfig.{key}=True is not supported with SWAN: {why}")
     chunks = list(model_chunks)
-    if chunks and getattr(getattr(chunks[0], "ddp_config", None), "use_megatron_fsdp", False):
-        raise ValueError("swan_dist: Megatron FSDP (use_megatron_fsdp / --use-megatron-fsdp) is not supported with "
-                         "SWAN; use --use-distributed-optimizer (ZeRO-1 style shards) instead")
-    if (any(getattr(getattr(c, "config", None), "num_moe_experts", None) for c in chunks)
-            and ps.get_expert_model_parallel_world_size() == 1
-            and ps.get_expert_tensor_parallel_world_size() != ps.get_tensor_model_parallel_world_size()):
-        raise ValueError(
-            f"swan_dist: expert tensor-parallel size {ps.get_expert_tensor_parallel_world_size()} differs from the "
-            f"tensor-parallel size {ps.get_tensor_model_parallel_world_size()} at expert-parallel size 1: Megatron "
-            "then marks the experts as dense and reduces their gradients over the dense data-parallel ranks, which "
-            "hold other slices of them; set --expert-tensor-parallel-size to the tensor-parallel size, or use "
-            "--expert-model-parallel-size > 1")
+    _refuse_unsupported(config, chunks)
     opts = _swan_kwargs(config, swan)
     split_qkv, split_glu = opts.pop("split_qkv"), opts.pop("split_glu")
     for chunk in chunks:

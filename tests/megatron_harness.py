@@ -365,6 +365,17 @@ def train_step(model_chunks, optimizer, batch: dict, num_microbatches: int = 1) 
     return float(loss) / ps.get_data_parallel_world_size()
 
 
+def lr_schedule(optimizer, lr: float, steps: int, wd: float):
+    """Megatron's own scheduler as Megatron-LM builds it: one warm-up step from lr/10, then cosine decay
+    to the config's ``min_lr`` (each param group carries the config's ``lr`` and ``min_lr``) over ``steps``, weight decay ``wd`` constant (times each group's ``wd_mult``); ``.step(1)``
+    after each iteration sets every param group's lr (a new value each step)."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    return OptimizerParamScheduler(optimizer, init_lr=lr / 10, max_lr=lr, min_lr=lr / 10, lr_warmup_steps=1,
+                                   lr_decay_steps=max(steps, 2), lr_decay_style="cosine", start_wd=wd, end_wd=wd,
+                                   wd_incr_steps=max(steps, 2), wd_incr_style="constant")
+
+
 # --------------------------------------------------------------------------- weights
 def _named_params(model_chunks):
     """(global name, param) of this stage: wrapper prefixes stripped, layer indices made global, and

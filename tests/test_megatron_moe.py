@@ -35,14 +35,17 @@ def _worker(rank, world, ep, distopt, init, tp=1, etp=None, pp=1):
     try:
         chunks, _ = H.build_gpt(tp, pp, experts=EXPERTS, moe=dict(expert_tensor_parallel_size=etp or tp), use_distributed_optimizer=distopt, overlap_grad_reduce=distopt,
                                 init_weights=init, **SHAPE)
-        opt = get_swan_optimizer(OptimizerConfig(lr=LR, weight_decay=0.1, use_distributed_optimizer=distopt,
+        opt = get_swan_optimizer(OptimizerConfig(lr=LR, min_lr=LR / 10, weight_decay=0.1, use_distributed_optimizer=distopt,
                                                  clip_grad=0.0), chunks, swan={"verbose": False, "bucket_mb": 0.001})
         inner = [w.optimizer for w in opt.chained_optimizers if w.optimizer is not None]
         start = H.full_weights(chunks, opt)
         dp_rank, dp = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
-        losses = [H.train_step(chunks, opt, H.dp_share(H.global_batch(t, BATCH, SEQ, VOCAB), dp_rank, dp))
-                  for t in range(STEPS)]
-        return dict(start=start, end=H.full_weights(chunks, opt), losses=losses,
+        schedule = H.lr_schedule(opt, LR, STEPS, 0.1)  # a new lr every step, as in a real run
+        losses = []
+        for t in range(STEPS):
+            losses.append(H.train_step(chunks, opt, H.dp_share(H.global_batch(t, BATCH, SEQ, VOCAB), dp_rank, dp)))
+            schedule.step(1)
+        return dict(start=start, end=H.full_weights(chunks, opt), losses=losses, lr_end=opt.param_groups[0]["lr"],
                     whitened=sum(o.whitened_matrices for o in inner), kinds=[type(w).__name__ for w in opt.chained_optimizers],
                     groups=[sorted(dist.get_process_group_ranks(o.process_group)) for o in inner],
                     stage=ps.get_pipeline_model_parallel_rank(),
@@ -65,6 +68,7 @@ def _assert_equal(res, ref):
             torch.testing.assert_close(r["end"][name], w, rtol=1e-4, atol=2e-5, msg=name)
         assert r["losses"] == pytest.approx(ref["losses"], rel=1e-5)
     assert ref["whitened"] == STEPS * PER_STEP
+    assert LR / 10 <= ref["lr_end"] < LR  # the schedule moved the lr
 
 
 def test_expert_parallel_2_equals_one_process(reference):
