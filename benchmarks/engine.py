@@ -29,7 +29,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from swan_dist.functional import WhitenConfig
-from swan_dist.routing import Exchange, MatrixSpec, build_plan, row_shard_ranges
+from swan_dist.plan import MatrixSpec, row_shard_ranges
+from swan_dist.whitening import swan_exchange, swan_plan
 
 from _report import write_section  # noqa: E402 (benchmarks/ is the script's folder)
 
@@ -100,7 +101,7 @@ def planner_table(bucket_mb: float) -> str:
         for label, cfg in PRESETS.items():
             specs = llama_specs(name, cfg)
             for world in (8, 64, 512):
-                plan = build_plan(specs, row_shard_ranges(specs, world), bucket_bytes=int(bucket_mb * 2**20))
+                plan = swan_plan(specs, row_shard_ranges(specs, world), bucket_bytes=int(bucket_mb * 2**20))
                 cost = plan.slowest()
                 per_bucket, whole = plan.bounds()
                 best = best_split(plan.costs, world)
@@ -183,9 +184,9 @@ def _worker(rank: int, world: int, port: int, size: str, steps: int, out: str) -
                 opts[name] = swan_dist.SWAN(model, preset=preset, lr=0.0, mode=mode, verbose=False)
             opts[name].step()  # warm-up: plan, state
             if name != "adamw" and NAMES[name][2]:  # the same plan run as one phase per bucket
-                plans = opts[name]._plans
+                plans = opts[name].plans
                 ex = plans.last
-                plans.last = Exchange(ex.plan, ex.rank, ex.group, ex.device, ex.dtypes, phase_bytes=None)
+                plans.last = swan_exchange(ex.plan, ex.rank, ex.group, ex.device, ex.dtypes, phase_bytes=None)
                 plans.cache = {k: plans.last for k in plans.cache}
         sent0 = {n: o.exchange.bytes_sent if getattr(o, "exchange", None) else 0 for n, o in opts.items()}
         times: dict[str, list[float]] = {n: [] for n in NAMES}

@@ -22,7 +22,8 @@ import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from swan_dist.functional import WhitenConfig
-from swan_dist.routing import MatrixSpec, build_plan, swan_cost
+from swan_dist.plan import MatrixSpec
+from swan_dist.whitening import swan_cost, swan_plan
 
 from _report import write_section  # noqa: E402 (benchmarks/ is the script's folder)
 from scale import Layout, MODELS, llama, measure  # noqa: E402
@@ -83,7 +84,7 @@ def paper_check() -> Paper:
     totals, slowest, sent = {}, {}, {}
     for name, cfg in (("‡", WhitenConfig()), ("†", NS10)):
         specs = llama_1b3(cfg)
-        plan = build_plan(specs, [[(0, s.numel) for s in specs]] * 8)  # DDP: every rank holds every gradient
+        plan = swan_plan(specs, [[(0, s.numel) for s in specs]] * 8)  # DDP: every rank holds every gradient
         totals[name], slowest[name] = sum(plan.costs), plan.slowest()
         owned = max(sum(specs[m].numel for b in plan.buckets for m, o in b.owners.items() if o == r) for r in range(8))
         sent[name] = owned * 7 * 2  # bf16 updates of its matrices to the 7 other ranks

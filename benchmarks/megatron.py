@@ -178,7 +178,7 @@ def _inner(opt) -> list:
 
 
 def _exchanges(opt) -> list:
-    return [ex for o in _inner(opt) for ex in getattr(getattr(o, "_plans", None), "cache", {}).values()]
+    return [ex for o in _inner(opt) for ex in getattr(getattr(o, "plans", None), "cache", {}).values()]
 
 
 def _minimum_bytes(opt) -> tuple[int, int]:

@@ -40,7 +40,8 @@ import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from swan_dist.functional import WhitenConfig
-from swan_dist.routing import Exchange, MatrixSpec, Plan, build_plan, row_shard_ranges
+from swan_dist.plan import MatrixSpec, Plan, row_shard_ranges
+from swan_dist.whitening import swan_exchange, swan_plan
 
 from _report import write_section  # noqa: E402 (benchmarks/ is the script's folder)
 
@@ -126,7 +127,7 @@ def plan_memory(specs: list[MatrixSpec], layout: Layout, bucket_bytes: int) -> f
     tracemalloc.start()
     base = tracemalloc.get_traced_memory()[0]
     ranges = [list(rg) for rg in layout.ranges(specs)]  # as gathered: one list per rank
-    plan = build_plan(specs, ranges, bucket_bytes=bucket_bytes)
+    plan = swan_plan(specs, ranges, bucket_bytes=bucket_bytes)
     del ranges
     gc.collect()
     held = tracemalloc.get_traced_memory()[0] - base
@@ -153,19 +154,19 @@ def minimum_bytes(plan: Plan, rank: int, elem: int) -> int:
 def measure(model: str, specs: list[MatrixSpec], world: int, layout: Layout, group, bucket_bytes: int) -> Row:
     ranges = layout.ranges(specs)
     rank = dist.get_rank(group)
-    build_s, plan = best_of(3, lambda: build_plan(specs, ranges, bucket_bytes=bucket_bytes))
-    exchange_s, ex = best_of(3, lambda: Exchange(plan, rank, group, META, [DTYPE] * len(specs)))
+    build_s, plan = best_of(3, lambda: swan_plan(specs, ranges, bucket_bytes=bucket_bytes))
+    exchange_s, ex = best_of(3, lambda: swan_exchange(plan, rank, group, META, [DTYPE] * len(specs)))
     grads = [torch.empty(hi - lo, dtype=DTYPE, device=META) for lo, hi in plan.ranges[rank]]
     ex.run(grads, set(), lambda m, update: None)
     if ex.failure is not None:
         raise ex.failure
-    grad_peers = {d for st in ex._steps for d, n in enumerate(st.fwd[0]) if n}
-    update_peers = {d for st in ex._steps for d, n in enumerate(st.bwd[0]) if n}
+    grad_peers = {d for st in ex.steps for d, n in enumerate(st.grads.send) if n}
+    update_peers = {d for st in ex.steps for d, n in enumerate(st.updates.send) if n}
     total, largest = sum(plan.costs), max(plan.costs)
     replicas = layout.group > layout.shard
     return Row(model, layout.name, world, layout.group, build_s, exchange_s, plan_memory(specs, layout, bucket_bytes),
-               len(grad_peers), len(update_peers), sum(st.moves[0] + st.moves[1] for st in ex._steps),
-               sum(1 for st in ex._steps for n in (*st.fwd[0], *st.bwd[0]) if n), ex.bytes_sent,
+               len(grad_peers), len(update_peers), sum(st.moves.grads + st.moves.updates for st in ex.steps),
+               sum(1 for st in ex.steps for n in (*st.grads.send, *st.updates.send) if n), ex.bytes_sent,
                None if replicas else minimum_bytes(plan, rank, torch.empty(0, dtype=DTYPE).element_size()),
                plan.slowest(), *plan.bounds(), max(total / world, largest))
 
@@ -173,7 +174,7 @@ def measure(model: str, specs: list[MatrixSpec], world: int, layout: Layout, gro
 def run(worlds: tuple[int, ...], bucket_bytes: int) -> list[Row]:
     torch.set_num_threads(1)
     warm = llama(1, 64, 64, 172)
-    Exchange(build_plan(warm, row_shard_ranges(warm, 4)), 0, None, META, [DTYPE] * len(warm))
+    swan_exchange(swan_plan(warm, row_shard_ranges(warm, 4)), 0, None, META, [DTYPE] * len(warm))
     rows = []
     for world in worlds:
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
@@ -221,7 +222,7 @@ def bucket_table(worlds: tuple[int, ...]) -> str:
     for model in ("LLaMA-70B", "MoE 64x"):
         specs = MODELS[model]()
         for world in worlds:
-            plans = [build_plan(specs, row_shard_ranges(specs, world), bucket_bytes=mb << 20) for mb in BUCKET_MBS]
+            plans = [swan_plan(specs, row_shard_ranges(specs, world), bucket_bytes=mb << 20) for mb in BUCKET_MBS]
             lines.append(f"| {model} | {world} | " + " | ".join(
                 f"{len(p.buckets)}, {p.slowest() / p.bounds()[1]:.2f}" for p in plans) + " |")
     return "\n".join(lines)

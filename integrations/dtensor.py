@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from swan_dist.adapter import Adapter, Piece, tensor_piece
-from swan_dist.routing import Layout
+from swan_dist.layout import Layout
 
 Box = tuple[tuple[int, int], ...]  # (start, stop) per dim
 

@@ -39,7 +39,7 @@ import torch
 from torch import Tensor, nn
 
 from swan_dist.adapter import Adapter, Form, Member, Piece, flat_piece, tensor_piece
-from swan_dist.routing import Layout
+from swan_dist.layout import Layout
 
 SHARD = "_swan_main_shard"  # on a model param under the distributed optimizer: (fp32 shard | None, start, end)
 TP_DIM = "_swan_tp_dim"  # partition dim of a TP layer's weight built without Megatron's attributes

@@ -1,7 +1,7 @@
 """The engine's boundary: how a framework tells the optimizer where each rank's piece of each matrix lives.
 
 A framework is one :class:`Adapter` subclass in one file of ``integrations/`` plus one line in
-``integrations/__init__.py``'s ``ADAPTERS``. The optimizer and the routing never import a framework:
+``integrations/__init__.py``'s ``ADAPTERS``. The optimizer, the planner and the exchange never import a framework:
 they ask the registry (:func:`adapter_for`, :func:`adopt`, :func:`prepare_model`, ...) and work on
 :class:`Piece` records. docs/engine.md walks through adding an adapter.
 
@@ -33,7 +33,7 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor, nn
 
-from .routing import ROW_MAJOR, Layout
+from .layout import ROW_MAJOR, Layout
 
 __all__ = ["Adapter", "Form", "Member", "Piece", "StateSlot", "adapter_for", "members_of", "adopt", "prepare_model",
            "form_of", "flat_piece",
@@ -79,7 +79,7 @@ class Piece:
     target_grad: Tensor | None
     slot: StateSlot
     layout: Layout = ROW_MAJOR
-    split: tuple[int, ...] = ()  # a fused matrix's row pattern: its parts are whitened apart (routing.split_rows)
+    split: tuple[int, ...] = ()  # a fused matrix's row pattern: its parts are whitened apart (layout.split_rows)
 
     @property
     def whole(self) -> bool:
@@ -123,7 +123,7 @@ class Form:
 
     ``transposed``: stored ``(..., in, out)`` (Transformers' ``Conv1D``, transposed MoE experts): the
     matrix in the paper's orientation ``(..., out, in)`` is its transpose (``Layout.transposed``).
-    ``split``: row pattern of that matrix's parts (``routing.split_rows``; fused Q, K, V or gate, up),
+    ``split``: row pattern of that matrix's parts (``layout.split_rows``; fused Q, K, V or gate, up),
     each whitened apart unless the group says ``split_fused=False``; ``parts`` names them.
     ``what``: the layout recognised and why (or why a fused layout is whitened whole).
     ``whiten``: ``None`` leaves the rule to the usual classification; ``True`` makes a recognised stack
@@ -247,41 +247,50 @@ def registry_token() -> Sequence[Adapter]:
     return _registry()
 
 
-def tensor_key(tensor: Tensor) -> tuple:
-    """What a reused piece of ``tensor`` depends on: its storage, shape, strides and dtype."""
-    return tensor.data_ptr(), tensor.shape, tensor.stride(), tensor.dtype
+def tensor_key(adapter: Adapter, tensor: Tensor) -> tuple:
+    """What a reused piece of ``tensor`` depends on: its local storage (:meth:`Adapter.local`: a DTensor's
+    shard), shape, strides and dtype."""
+    local = adapter.local(tensor)
+    return local.data_ptr(), tensor.shape, local.stride(), tensor.dtype
 
 
 def reusable(adapter: Adapter, tensor: Tensor, pieces: Sequence[Piece]) -> bool:
     """Whether ``pieces`` (just made by ``adapter`` for ``tensor``) are the tensor itself, so that a later
     step may reuse them with :func:`repoint` while :func:`tensor_key` of the tensor is unchanged: one
-    piece, target and state slot the tensor, ``param`` its whole storage flat, ``grad`` its gradient flat
-    (checked against the gradient there is now; without one nothing is known, so no reuse)."""
+    piece, target and state slot the tensor, ``param`` its whole local storage flat, ``grad`` its local
+    gradient flat (checked against the gradient there is now; without one nothing is known, so no reuse)."""
     if not adapter.reuse_pieces or len(pieces) != 1:
         return False
     pc, g = pieces[0], tensor.grad
     try:
+        if g is None or pc.grad is None or g.layout is not torch.strided:
+            return False
+        local, local_g = adapter.local(tensor), adapter.local(g)
         return (
-            g is not None and pc.grad is not None and pc.target is tensor and pc.target_grad is g
-            and pc.slot.key is tensor and pc.slot.index is None and tensor.layout is torch.strided
-            and g.layout is torch.strided and tensor.numel() > 0 and pc.param.dim() == 1 and pc.grad.dim() == 1
-            and pc.param.numel() == tensor.numel() == pc.hi - pc.lo and pc.param.data_ptr() == tensor.data_ptr()
-            and pc.grad.numel() == g.numel() and pc.grad.data_ptr() == g.data_ptr()
+            pc.target is tensor and pc.target_grad is g and pc.slot.key is tensor and pc.slot.index is None
+            and local.layout is torch.strided and local_g.layout is torch.strided and local.numel() > 0
+            and pc.param.dim() == 1 and pc.grad.dim() == 1
+            and pc.param.numel() == local.numel() == pc.hi - pc.lo and pc.param.data_ptr() == local.data_ptr()
+            and pc.grad.numel() == local_g.numel() and pc.grad.data_ptr() == local_g.data_ptr()
         )
     except (RuntimeError, NotImplementedError, AttributeError):  # tensors without storage (wrapper subclasses)
         return False
 
 
-def repoint(piece: Piece, tensor: Tensor) -> bool:
-    """Point a reusable piece at ``tensor``'s current gradient (as ``tensor_piece`` would: flat, ``None``
-    without one); False where the gradient is not a strided tensor (the adapter then answers again)."""
+def repoint(adapter: Adapter, piece: Piece, tensor: Tensor) -> bool:
+    """Point a reusable piece at ``tensor``'s current gradient (as ``tensor_piece`` would: its local
+    elements flat, ``None`` without one); False where the gradient is not a strided tensor with the
+    piece's number of local elements (the adapter then answers again)."""
     g = tensor.grad
     if g is None:
         piece.grad = piece.target_grad = None
         return True
     if g.layout is not torch.strided:
         return False
-    piece.grad, piece.target_grad = g.reshape(-1), g
+    local_g = adapter.local(g)
+    if local_g.numel() != piece.hi - piece.lo:
+        return False
+    piece.grad, piece.target_grad = local_g.reshape(-1), g
     return True
 
 

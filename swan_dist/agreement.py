@@ -7,33 +7,45 @@ step could start. A disagreement raises the same error on every rank, naming the
 
 from __future__ import annotations
 
+import enum
 import operator
 import warnings
 import zlib
-from collections import Counter, defaultdict
+from collections import defaultdict
 from typing import Sequence
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import inflight
 from .adapter import Piece
+from .collectives import all_gather, all_reduce_max, gather_objects
 from .functional import _compile_wanted, resolve_dtype
+from .records import Descriptor, Entry, GradCode
 from .rules import SCALAR_KEYS
 
-__all__ = ["agree", "engine_descriptor", "StepAgreement", "Hashes", "grad_codes", "raise_rank_failure", "raise_structure_mismatch",
-           "raise_scalar_mismatch", "scalar_hash", "skipped", "gather_names", "nonfinite_update"]
+__all__ = ["agree", "engine_descriptor", "StepAgreement", "Verdict", "Hashes", "grad_codes", "raise_rank_failure",
+           "raise_structure_mismatch", "raise_scalar_mismatch", "scalar_hash", "skipped", "gather_names",
+           "nonfinite_update"]
 
 _MASK = (1 << 30) - 1  # hashes travel in int32 tensors, negated too: keep them well inside its range
+
+
+class Verdict(enum.Enum):
+    """What the ranks found when they agreed on a step, alike on every rank."""
+
+    OK = "ok"
+    FAILED = "failed"  # some rank could not list its pieces or its options are invalid
+    MISMATCH = "mismatch"  # structures (records, engine settings) differ
+    SCALARS = "scalars"  # scalar options differ
 
 
 class StepAgreement:
     """Per step, one ``all_reduce(MAX)`` of ``[changed, s, -s, codes...]``: ``changed`` is set by a rank
     whose structure or ranges differ from what was last agreed (the first step, re-sharding, ZeRO-3's
     alternating sub-groups) or that failed; ``s`` is a hash of the scalar options (max of ``s`` and of
-    ``-s`` differ exactly when some rank's scalars differ); ``codes`` per parameter (0 no gradient,
-    1 finite, 2 non-finite) come back as their max over ranks. Where something changed, every rank's
+    ``-s`` differ exactly when some rank's scalars differ); ``codes`` per parameter (:class:`GradCode`)
+    come back as their max over ranks. Where something changed, every rank's
     ``[structure, layout, count, failed, scalars]`` is gathered once and the layouts kept.
     """
 
@@ -41,80 +53,70 @@ class StepAgreement:
         self.agreed: tuple[int, int, int] | None = None  # this rank's (structure, layout, count) last agreed
         self.layouts: tuple[int, ...] = ()  # every rank's layout hash, as last agreed
 
-    def __call__(self, codes: Tensor, structure: int, layout: int, scalars: int, group: dist.ProcessGroup | None,
-                 failed: bool = False) -> tuple[str, list[int] | None]:
-        """``codes``: int32, one per parameter, on the communication device. Returns ``("ok", max code per
-        parameter)``, or ``("failed" | "mismatch" | "scalars", None)`` on every rank alike."""
+    def __call__(self, codes: Tensor, structure: int, layout: int, scalars: int, group,
+                 failed: bool = False) -> tuple[Verdict, list[int] | None]:
+        """``codes``: int32, one per parameter, on the communication device. Returns ``(Verdict.OK, max code
+        per parameter)``, or another verdict and ``None``, on every rank alike."""
         mine = (structure, layout, codes.numel())
         scalars &= _MASK
         if self.agreed is not None:
             n = self.agreed[2]
             body = codes[:n] if codes.numel() >= n else torch.cat([codes, codes.new_zeros(n - codes.numel())])
             head = codes.new_tensor([int(failed or mine != self.agreed), scalars, -scalars])
-            flags = torch.cat([head, body])
-            before = inflight.counts(flags)
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
-            inflight.settle([flags], before)
-            out = flags.tolist()
+            out = all_reduce_max(torch.cat([head, body]), group)
             if out[0] == 0:
-                return ("ok", out[3:]) if out[1] == -out[2] else ("scalars", None)
+                return (Verdict.OK, out[3:]) if out[1] == -out[2] else (Verdict.SCALARS, None)
         head = torch.tensor([structure, layout, codes.numel(), int(failed), scalars], dtype=torch.int64,
                             device=codes.device)
-        heads = [torch.empty_like(head) for _ in range(dist.get_world_size(group))]
-        before = inflight.counts(head, *heads)
-        dist.all_gather(heads, head, group=group)
-        inflight.settle([head, *heads], before)
-        table = torch.stack(heads).cpu()
+        table = all_gather(head, group)
         self.agreed = None
         if table[:, 3].any():
-            return "failed", None
+            return Verdict.FAILED, None
         if (table[:, 0] != table[0, 0]).any() or (table[:, 2] != table[0, 2]).any():
-            return "mismatch", None
+            return Verdict.MISMATCH, None
         if (table[:, 4] != table[0, 4]).any():
-            return "scalars", None
+            return Verdict.SCALARS, None
         self.agreed, self.layouts = mine, tuple(table[:, 1].tolist())
-        flags = codes.clone()
-        before = inflight.counts(flags)
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
-        inflight.settle([flags], before)
-        return "ok", flags.tolist()
+        return Verdict.OK, all_reduce_max(codes.clone(), group)
 
 
-def engine_descriptor(mode: str, bucket_mb: float, device: torch.device, records: Sequence) -> tuple:
+def engine_descriptor(mode: str, bucket_mb: float, device: torch.device, records: Sequence) -> Descriptor:
     """The engine's part of the structure every rank must agree on, shaped like a record's descriptor so
     that a difference names its setting: mode, bucket bound, the exchange's device type, the whitening
     dtypes ``auto`` resolves to there (decided per process: the CPU's bf16 support, ``SWAN_DIST_CPU_BF16``)
     and whether ``torch.compile`` runs (``SWAN_DIST_COMPILE``, or a compile that failed on some rank)."""
     dtypes = sorted({str(resolve_dtype(r.cfg, device)) for r in records if r.cfg is not None})
-    return ("<engine>", (), (), "", (("mode", repr(mode)), ("bucket_mb", repr(bucket_mb)),
-                                     ("device", device.type), ("whiten_dtype (resolved)", repr(dtypes)),
-                                     ("compile", repr(_compile_wanted(device)))))
+    return Descriptor("<engine>", (), (), "", (("mode", repr(mode)), ("bucket_mb", repr(bucket_mb)),
+                                               ("device", device.type), ("whiten_dtype (resolved)", repr(dtypes)),
+                                               ("compile", repr(_compile_wanted(device)))))
 
 
-def agree(opt, entries: list, failure: BaseException | None, world: int, group,
-          device: torch.device | None) -> tuple[list[int], tuple | None]:
-    """The agreed gradient code per entry of optimizer ``opt`` and the plan key (``None`` at W=1), or every
-    rank raises the same error. One ``all_reduce`` while nothing changed (:class:`StepAgreement`)."""
+def agree(entries: list[Entry], failure: BaseException | None, ctx, memo, groups: Sequence[dict]
+          ) -> tuple[list[int], tuple | None]:
+    """The agreed :class:`GradCode` per entry and the plan key (``None`` at W=1), or every rank raises the
+    same error. ``ctx``: the step's :class:`~swan_dist.engine.StepContext`; ``memo``: the agreement and
+    hashes kept for this set of entries (:class:`~swan_dist.engine.EngineMemo`); ``groups``: the param
+    groups whose scalar options every rank must share. One ``all_reduce`` while nothing changed."""
     pieces = [e.piece for e in entries]
-    codes = grad_codes(pieces, device)
-    if world == 1 or opt.mode == "local":  # code 3: a SWAN matrix held only in part here
+    codes = grad_codes(pieces, ctx.device)
+    if ctx.mode == "local":
         part = [i for i, e in enumerate(entries) if e.record.use_swan and not e.piece.whole]
         if part:
-            codes[torch.tensor(part, device=codes.device)] = 3
-    if world == 1:
+            codes[torch.tensor(part, device=codes.device)] = GradCode.PARTIAL
+    if ctx.world == 1:
         return codes.tolist(), None
     records = [e.record for e in entries]
-    engine = engine_descriptor(opt.mode, opt.bucket_mb, device, records)
-    structure = opt._hashes.structure(records, engine)
-    status, flags = opt._agreement(codes, structure, opt._hashes.layout(pieces),
-                                    scalar_hash(opt.param_groups), group, failure is not None)
-    if status == "failed":
-        raise_rank_failure(failure, group)
-    if status == "mismatch":
-        raise_structure_mismatch([r.descriptor for r in records] + [engine], group)
-    if status == "scalars":
-        raise_scalar_mismatch(opt.param_groups, group)
-    return flags, (structure, opt._agreement.layouts)
+    engine = engine_descriptor(ctx.mode, ctx.bucket_mb, ctx.device, records)
+    structure = memo.hashes.structure(records, engine)
+    verdict, flags = memo.agreement(codes, structure, memo.hashes.layout(pieces), scalar_hash(groups), ctx.group,
+                                    failure is not None)
+    if verdict is Verdict.FAILED:
+        raise_rank_failure(failure, ctx.group)
+    if verdict is Verdict.MISMATCH:
+        raise_structure_mismatch([r.descriptor for r in records] + [engine], ctx.group)
+    if verdict is Verdict.SCALARS:
+        raise_scalar_mismatch(groups, ctx.group)
+    return flags, (structure, memo.agreement.layouts)
 
 
 def _crc(obj) -> int:
@@ -160,18 +162,12 @@ class Hashes:
         self._layout = None
 
 
-def _gather(obj, group) -> list:
-    everyone: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, obj, group=group)
-    return everyone
-
-
 def raise_rank_failure(failure: BaseException | None, group) -> None:
     """Every rank calls this together: the first failing rank's error, raised on all (the failing rank
     raises its own exception; the others an error of the same kind where it is a ``ValueError`` or
     ``TypeError``, a ``RuntimeError`` otherwise, naming the rank, the type and the message)."""
     mine = None if failure is None else (type(failure).__name__, str(failure))
-    rank, (kind, msg) = next((r, f) for r, f in enumerate(_gather(mine, group)) if f is not None)
+    rank, (kind, msg) = next((r, f) for r, f in enumerate(gather_objects(mine, group)) if f is not None)
     if failure is not None and rank == dist.get_rank(group):
         raise failure
     cls = {"TypeError": TypeError, "ValueError": ValueError, "FloatingPointError": FloatingPointError,
@@ -179,27 +175,27 @@ def raise_rank_failure(failure: BaseException | None, group) -> None:
     raise cls(f"swan_dist: on rank {rank}: {kind}: {msg}")
 
 
-def raise_structure_mismatch(descriptors: list[tuple], group) -> None:
+def raise_structure_mismatch(descriptors: list[Descriptor], group) -> None:
     """Every rank calls this together (same gathered descriptors) and raises the same error."""
-    everyone = _gather(descriptors, group)
+    everyone = gather_objects(descriptors, group)
     ref = everyone[0]
     for rank, desc in enumerate(everyone):
         if len(desc) != len(ref):
             raise ValueError(f"swan_dist: rank {rank} has {len(desc) - 1} parameters, rank 0 has {len(ref) - 1}")
         for a, b in zip(ref, desc):
             if a != b:
-                diff = [k for (k, va), (_, vb) in zip(a[4], b[4]) if va != vb] if len(a) == 5 and len(b) == 5 else []
-                what = f"key(s) {diff}" if diff else f"{a[1:4]} vs {b[1:4]}"
+                diff = [k for (k, va), (_, vb) in zip(a.options, b.options) if va != vb]
+                what = f"key(s) {diff}" if diff else f"{(a.shape, a.layout, a.dtype)} vs {(b.shape, b.layout, b.dtype)}"
                 raise ValueError(
                     f"swan_dist: optimizer config differs between rank 0 and rank {rank} for parameter "
-                    f"{a[0]!r} vs {b[0]!r}: {what}"
+                    f"{a.name!r} vs {b.name!r}: {what}"
                 )
     raise ValueError("swan_dist: optimizer config differs between ranks")
 
 
 def raise_scalar_mismatch(groups: Sequence[dict], group) -> None:
     """Every rank calls this together: the first scalar option that differs from rank 0's, named."""
-    everyone = _gather(scalar_rows(groups), group)
+    everyone = gather_objects(scalar_rows(groups), group)
     ref = everyone[0]
     for rank, rows in enumerate(everyone):
         if len(rows) != len(ref):
@@ -214,17 +210,19 @@ def raise_scalar_mismatch(groups: Sequence[dict], group) -> None:
     raise ValueError("swan_dist: hyper-parameters differ between ranks")
 
 
-def skipped(entries: list, flags: list[int], counter: Counter) -> set[int]:
+def skipped(entries: list, flags: list[int]) -> tuple[set[int], list[str]]:
     """The entries no rule touches this step, from the agreed codes (alike on every rank): non-finite
     anywhere (``nonfinite="skip"`` warns, ``"raise"`` raises before anything is modified) or no
-    gradient anywhere; raises where local mode meets a sharded matrix."""
-    sharded = [entries[i].record.name for i, c in enumerate(flags) if c == 3]
+    gradient anywhere; and the names of those skipped for a non-finite gradient. Raises where local mode
+    meets a sharded matrix."""
+    sharded = [entries[i].record.name for i, c in enumerate(flags) if c == GradCode.PARTIAL]
     if sharded:
         raise ValueError(
             f"swan_dist: {sharded[:4]} are sharded; mode='local' needs whole matrices on every rank "
             "(use mode='owner' or 'replicated')"
         )
-    bad = [i for i, c in enumerate(flags) if c == 2]
+    bad = [i for i, c in enumerate(flags) if c == GradCode.NONFINITE]
+    names: list[str] = []
     if bad:
         names = [entries[i].record.name for i in bad]
         if any(entries[i].group["nonfinite"] == "raise" for i in bad):
@@ -232,33 +230,30 @@ def skipped(entries: list, flags: list[int], counter: Counter) -> set[int]:
                 f"SWAN: non-finite gradient in {names[:8]}{' ...' if len(names) > 8 else ''}; "
                 "no parameter was updated"
             )
-        counter.update(names)
         warnings.warn(f"SWAN: non-finite gradient, update skipped for {names[:8]}", RuntimeWarning)
-    return {i for i, c in enumerate(flags) if c != 1}
+    return {i for i, c in enumerate(flags) if c != GradCode.FINITE}, names
 
 
 def gather_names(names: list[str], group) -> list[str]:
     """Every rank's names, in rank order, each once."""
-    return list(dict.fromkeys(n for ns in _gather(names, group) for n in ns))
+    return list(dict.fromkeys(n for ns in gather_objects(names, group) for n in ns))
 
 
-def nonfinite_update(entries: list, names: list[str], counter: Counter) -> None:
+def nonfinite_update(entries: list, names: list[str]) -> None:
     """SWAN matrices whose whitened update was not finite (made inside NS/NSDS, or owed by an owner that
     failed): not applied on any rank; every rank raises ``FloatingPointError`` where one of them is in a
-    ``nonfinite="raise"`` group, else warns and counts them in ``counter``. The other parameters of the
-    step were updated."""
+    ``nonfinite="raise"`` group, else warns. The other parameters of the step were updated."""
     bad = set(names)
     if any(e.group["nonfinite"] == "raise" for e in entries if e.record.name in bad):
         raise FloatingPointError(
             f"SWAN: non-finite whitened update for {names[:8]}{' ...' if len(names) > 8 else ''}; not applied to "
             "them (the step's other parameters were updated)")
-    counter.update(names)
     warnings.warn(f"SWAN: non-finite whitened update, not applied to {names[:8]}", RuntimeWarning)
 
 
 # ------------------------------------------------------------------------------------ gradient codes
 def grad_codes(pieces: list[Piece], device: torch.device | None) -> Tensor:
-    """Per piece: 0 no local gradient, 1 finite, 2 NaN/Inf, as an int32 tensor on ``device`` (the
+    """Per piece its :class:`GradCode` (none, finite, NaN/Inf) as an int32 tensor on ``device`` (the
     communication device; the CPU without one), computed without a device sync: one foreach reduction
     per device and dtype (:func:`_finite`)."""
     out = torch.zeros(len(pieces), dtype=torch.int32, device=device or "cpu")
@@ -271,7 +266,7 @@ def grad_codes(pieces: list[Piece], device: torch.device | None) -> Tensor:
         grads = [g for _, g in items]
         # empty or sparse gradients: one check each
         finite = _finite(grads) if foreach else torch.stack([g.isfinite().all() for g in grads])
-        codes = 2 - finite.to(out.device, torch.int32)
+        codes = int(GradCode.NONFINITE) - finite.to(out.device, torch.int32)  # FINITE where finite
         if len(items) == len(pieces):
             return codes
         out[torch.tensor([i for i, _ in items], device=out.device)] = codes

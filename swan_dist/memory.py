@@ -8,8 +8,6 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from swan_dist.integrations.deepspeed import master_weights
-
 
 def client_optimizer(optimizer: Any) -> torch.optim.Optimizer:
     """The ``torch.optim.Optimizer`` inside framework wrappers (DeepSpeed's ZeRO and mixed-precision
@@ -48,5 +46,9 @@ def state_bytes(optimizer: Any) -> dict[str, int]:
     client optimizer's ``state`` (for SWAN: the fallback rule's only; SWAN matrices keep none), and the
     fp32 master copies a wrapper such as DeepSpeed ZeRO holds (0 without one)."""
     inner = client_optimizer(optimizer)
-    masters = [] if inner is optimizer else _tensors(master_weights(optimizer))
+    masters: list[Tensor] = []
+    if inner is not optimizer:  # a framework's wrapper: its master copies (DeepSpeed's, the one such wrapper)
+        from swan_dist.integrations.deepspeed import master_weights
+
+        masters = _tensors(master_weights(optimizer))
     return {"optimizer_state": _nbytes(_tensors(dict(inner.state))), "master_weights": _nbytes(masters)}

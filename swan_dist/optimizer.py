@@ -8,9 +8,9 @@ lr: ``adamw`` (the paper's choice, two state tensors per parameter), or the stat
 Param groups are split on construction into SWAN groups (``use_swan=True``) and fallback groups
 (``use_swan=False``) carrying the caller's options; torch lr schedulers scale ``lr`` in all of them.
 
-This class holds the groups, the state and the summary; a step is a sequence of rooms (docs/engine.md):
-collect this rank's pieces and their records (:mod:`.pieces`), agree with the other ranks
-(:mod:`.agreement`), run the fallback rules (:mod:`.rules`), whiten and apply (:mod:`.execute`).
+This class holds the groups, the state and the summary; a step collects this rank's entries
+(:mod:`.collect`) and hands them to the engine (:func:`swan_dist.engine.run_step`: agree, fallback rules,
+whiten, apply; docs/engine.md).
 """
 
 from __future__ import annotations
@@ -22,16 +22,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from . import inflight
 from .adapter import Form, Member, adapter_for, name_bare_params, optimizer_built
-from .agreement import Hashes, StepAgreement, agree, gather_names, nonfinite_update, raise_rank_failure, skipped
-from .execute import Plans, explain, whiten_local
-from .pieces import Collector, Entry, Origin
+from .collect import Collector, Holdings
+from .engine import MODES, Deferred, EngineMemo, StepContext, StepResult, run_step
 from .presets import OPTIMIZER_KEYS, load_preset
-from .routing import comm_device
-from .rules import FALLBACKS, check_group, check_scalars, run_fallbacks
-from .state import export_states, import_states, zero_states
+from .records import Entry, Origin
+from .rules import FALLBACKS, check_group, check_scalars
 from .selection import Rule, classify, param_groups, tag_model, tagged_form, tagged_name
+from .state import export_states, import_states, zero_states
 from .summary import SummaryRow, summary_text, warn_unnamed
 
 __all__ = ["SWAN", "FALLBACKS"]
@@ -42,7 +40,6 @@ _BASE = dict(
     weight_decay=0.0, fallback="adamw", betas=(0.9, 0.999), eps=1e-8, nonfinite="skip", fallback_lr=None,
 )
 assert set(_BASE) | {"lr"} == OPTIMIZER_KEYS
-_MODES = ("auto", "owner", "replicated", "local")
 
 
 def _as_groups(params: Iterable[Any] | nn.Module, include: list[str], exclude: list[str]) -> list:
@@ -86,24 +83,6 @@ def _pair(betas: Any) -> Any:
 
 def _rank0() -> bool:
     return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
-
-
-def _world(group: dist.ProcessGroup | None) -> tuple[int, dist.ProcessGroup | None]:
-    if not (dist.is_available() and dist.is_initialized()):
-        return 1, None
-    return dist.get_world_size(group), group
-
-
-def _mode(mode: str, world: int) -> str:
-    """``auto``: owner mode when distributed, local otherwise."""
-    return ("owner" if world > 1 else "local") if mode == "auto" else mode
-
-
-def _exchange_device(pieces: list, group: dist.ProcessGroup | None) -> torch.device:
-    """The exchange's device, from the group's real backend and the devices the pieces are on."""
-    devices = list(dict.fromkeys(pc.param.device for pc in pieces))
-    current = {"cuda": torch.cuda.current_device()} if torch.cuda.is_available() else {}
-    return comm_device(str(dist.get_backend(group)), devices, current)
 
 
 class SWAN(torch.optim.Optimizer):
@@ -177,20 +156,18 @@ class SWAN(torch.optim.Optimizer):
             lr=lr, alpha=alpha, whitening=whitening, ns_steps=ns_steps, beta=beta, grad_norm=grad_norm,
             whiten_dtype=whiten_dtype, weight_decay=weight_decay, fallback=fallback, betas=betas,
             eps=eps, nonfinite=nonfinite, fallback_lr=fallback_lr, split_fused=split_fused))
-        if mode not in _MODES:
-            raise ValueError(f"mode must be one of {_MODES}, got {mode!r}")
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) or not 0 < bucket_mb < float("inf"):
             raise ValueError(f"swan_dist: bucket_mb must be a positive number of MB, got {bucket_mb!r}")
         self.mode, self.bucket_mb, self.process_group = mode, float(bucket_mb), process_group
-        self._plans = Plans()  # exchanges cached per layout; never state
+        self._memos: dict[object, EngineMemo] = {}  # per set of entries stepped: agreement, hashes, plans
         self._include, self._exclude = list(include or ()), list(exclude or ())
         self._rows: list[SummaryRow] = []  # for the summary, not state
         self._forms: dict[str, Form] = {}  # SWAN matrix name -> orientation / fused split / stack (its record's)
         self._origin: list[list[Origin]] = []  # per group: the (name, parameter) it was given, held weakly
         self._packed: dict[Tensor, tuple[bool, ...]] = {}  # a tensor packing several parameters -> use_swan each
-        self._agreement = StepAgreement()
         self._collector = Collector()  # pieces kept for reuse and the records, from step to step
-        self._hashes = Hashes()
         self.nonfinite_skips: Counter[str] = Counter()
         self.whitened_matrices = 0  # matrices whitened so far (SWAN work done, for accounting)
         super().__init__(_as_groups(params, self._include, self._exclude), defaults)
@@ -213,8 +190,8 @@ class SWAN(torch.optim.Optimizer):
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         # unpickling: absent, so defaults; torch's load_state_dict also calls this: keep what is set
-        for key, make in (("process_group", lambda: None), ("_plans", Plans), ("_collector", Collector),
-                          ("_hashes", Hashes), ("_forms", dict), ("_agreement", StepAgreement)):
+        for key, make in (("process_group", lambda: None), ("_memos", dict), ("_collector", Collector),
+                          ("_forms", dict)):
             if key not in self.__dict__:
                 self.__dict__[key] = make()
         origin = self.__dict__.get("_origin")
@@ -309,95 +286,74 @@ class SWAN(torch.optim.Optimizer):
         import_states(self.state, self.param_groups, self._packed)
 
     # ------------------------------------------------------------------ step
-    # The step's bookkeeping is O(1) collectives and host syncs and little Python per parameter: pieces
-    # that are a tensor itself are reused while the tensor keeps its storage (only the gradient views are
-    # re-pointed), records and the structure/layout hashes are recomputed only when a piece or a group's
-    # structure options changed, the scalar options travel as one hash inside the agreement's one
-    # all_reduce, the finite checks are one foreach reduction per device and dtype, same-shape matrices
-    # are GradNorm'ed, rescaled and applied as one stack, the fallback rules run torch's foreach (or, on
-    # the CPU, fused) kernels.
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        world, group = _world(self.process_group)
-        entries: list[Entry] = []
-        try:
-            try:
-                for g in self.param_groups:  # a scheduler or the user may have set them since
-                    check_scalars(g)
-                entries, failure = self._collector.collect(self, group), None
-            except Exception as e:  # noqa: BLE001 - tell every rank, then all raise (no peer waits alone)
-                if world == 1:
-                    raise
-                entries, failure = [], e
-            self._step(entries, failure, world, group)
-        finally:
-            self._collector.release(entries)
-            self._hashes.clear()
+        self.step_entries(*self.collect_entries(), memo="all")
         return loss
 
-    def _step(self, entries: list[Entry], failure: Exception | None, world: int, group) -> None:
-        pieces = [e.piece for e in entries]
-        device = _exchange_device(pieces, self.process_group) if world > 1 else None
-        flags, key = agree(self, entries, failure, world, group, device)
-        skip = skipped(entries, flags, self.nonfinite_skips)
-        nonfinite: list[str] = []
-        try:
-            late = self._update(entries, skip, key, world, group, device, nonfinite)
-        except Exception as e:  # noqa: BLE001 - e.g. the fallback rule out of memory on this rank only
-            if world == 1:
-                raise
-            late = e
-        if world == 1:
-            if late is not None:
-                raise late
-        else:  # any rank's late failure or non-finite update reaches every rank at one more all_reduce
-            status = torch.tensor([late is not None, bool(nonfinite)], dtype=torch.int32, device=device)
-            before = inflight.counts(status)
-            dist.all_reduce(status, op=dist.ReduceOp.MAX, group=group)
-            inflight.settle([status], before)
-            failed, bad = status.tolist()
-            if failed:
-                raise_rank_failure(explain(late, self.bucket_mb), group)
-            if bad:
-                nonfinite = gather_names(nonfinite, group)
-        if nonfinite:
-            nonfinite_update(entries, nonfinite, self.nonfinite_skips)
+    def _holdings(self) -> Holdings:
+        return Holdings(self.param_groups, self.state, self._origin, self._packed, self._forms)
 
-    def _update(self, entries: list[Entry], skip: set[int], key: tuple | None, world: int, group,
-                device: torch.device | None, nonfinite: list[str]) -> BaseException | None:
-        """The fallback rules, then SWAN's matrices whitened and applied; returns what failed here at W > 1
-        (the fallback, or the exchange, whose collectives all ran regardless); names of matrices whose
-        update was not finite go to ``nonfinite``."""
-        swan = [i for i, e in enumerate(entries) if e.record.use_swan]
-        failure = None
+    def collect_entries(self, params: Iterable[Tensor] | None = None) -> tuple[list[Entry], BaseException | None]:
+        """This rank's entries (one per logical parameter: group, piece, record) for a step over every
+        parameter, or over those of ``params`` (tensors of this optimizer's groups), and what failed here
+        while collecting them (the scalar options are checked first), which :meth:`step_entries` announces
+        to every rank. At W = 1 a failure is raised at once."""
+        world = self._world()
+        deferred = Deferred(world)
+        with deferred:
+            for g in self.param_groups:  # a scheduler or the user may have set them since
+                check_scalars(g)
+            return self._collector.collect(self._holdings(), self.process_group,
+                                           None if params is None else {id(p) for p in params}), None
+        return [], deferred.error
+
+    def step_entries(self, entries: list[Entry], failure: BaseException | None = None, memo: object = "all"
+                     ) -> StepResult:
+        """One step of the engine (:func:`swan_dist.engine.run_step`) over ``entries`` (the same set on
+        every rank), with this optimizer's context and the engine's memo for ``memo`` (a key naming the
+        set); raises on every rank alike where a rank failed. The entries' gradients are let go of."""
+        kept = self._memo(memo)
         try:
-            run_fallbacks(self.state, self.param_groups, entries, skip)
-        except Exception as e:  # noqa: BLE001 - announced after the exchange, whose collectives must still run
-            if world == 1:
-                raise
-            failure = e
-        if world == 1 or _mode(self.mode, world) == "local":
-            mine = [entries[i] for i in swan if i not in skip and entries[i].piece.grad is not None]
-            if failure is None:
-                self.whitened_matrices += whiten_local(mine, nonfinite)
-            return failure
-        if not swan:  # the agreed structure covers the entries: every rank returns here or none does
-            return failure
-        mine = [entries[i] for i in swan]
-        plan = self._plans.get(key, mine, _mode(self.mode, world), self.bucket_mb, group, device)
-        whitened, late = self._plans.run(plan, mine, {m for m, i in enumerate(swan) if i in skip}, device,
-                                         nonfinite)
-        self.whitened_matrices += whitened
-        return failure or late
+            ctx = StepContext.of(entries, self.mode, self.bucket_mb, self.process_group)
+            result = run_step(entries, ctx, kept, self.param_groups, self.state, failure)
+        finally:
+            self._collector.release(entries, everything=memo == "all")
+            kept.hashes.clear()
+        self.whitened_matrices += result.whitened
+        self.nonfinite_skips.update(result.skipped + result.nonfinite)
+        if result.failure is not None:
+            raise result.failure
+        return result
+
+    def _memo(self, key: object) -> EngineMemo:
+        if key not in self._memos:
+            self._memos[key] = EngineMemo()
+        return self._memos[key]
+
+    def _world(self) -> int:
+        if not (dist.is_available() and dist.is_initialized()):
+            return 1
+        return dist.get_world_size(self.process_group)
 
     # ------------------------------------------------------------------ distributed bookkeeping
     @property
     def exchange(self):
-        """The :class:`~swan_dist.routing.Exchange` the last distributed step ran (its ``plan``: owners,
-        buckets, ranges); ``None`` before one, or without ``torch.distributed``. Plans are cached per
-        layout and are never state."""
-        return self._plans.last
+        """The :class:`~swan_dist.exchange.Exchange` the last distributed step over every parameter ran
+        (its ``plan``: owners, buckets, ranges); ``None`` before one, or without ``torch.distributed``.
+        Plans are cached per layout and are never state."""
+        return self.plans.last
+
+    @property
+    def plans(self):
+        """The plans the engine built for steps over every parameter (:class:`swan_dist.whitening.Plans`:
+        ``cache``, ``built``, ``last``)."""
+        return self._memo("all").plans
+
+    def plans_for(self, memo: object):
+        """The plans the engine built for the steps over the set of entries named ``memo``."""
+        return self._memo(memo).plans

@@ -11,7 +11,8 @@ import torch.distributed as dist
 
 from dist_utils import run_distributed
 from swan_dist.functional import WhitenConfig, swan_update
-from swan_dist.routing import Exchange, MatrixSpec, build_plan, cover
+from swan_dist.plan import MatrixSpec, cover
+from swan_dist.whitening import swan_exchange, swan_plan
 
 NSDS = WhitenConfig()
 NS = WhitenConfig(method="ns", steps=5, beta=0.8)
@@ -57,8 +58,8 @@ def test_plan_is_deterministic_balanced_and_bucketed():
     specs = [MatrixSpec(f"m{i}", (rng.choice([64, 128, 256]), rng.choice([64, 256])), NS) for i in range(40)]
     ranges = [[_row_shards(s.shape, 4)[r] for s in specs] for r in range(4)]
     budget = 256 * 256 * 4 * 3  # per owner and bucket: three of the largest matrices
-    a = build_plan(specs, ranges, bucket_bytes=budget)
-    b = build_plan(specs, ranges, bucket_bytes=budget)
+    a = swan_plan(specs, ranges, bucket_bytes=budget)
+    b = swan_plan(specs, ranges, bucket_bytes=budget)
     assert [x.owners for x in a.buckets] == [x.owners for x in b.buckets]
     assert len(a.buckets) > 1
     for bucket in a.buckets:
@@ -66,7 +67,7 @@ def test_plan_is_deterministic_balanced_and_bucketed():
         for r in range(4):
             assert sum(4 * specs[m].numel for m, o in bucket.owners.items() if o == r) <= budget
     assert a.balance() < 1.3, a.balance()
-    rep = build_plan(specs, ranges, mode="replicated")
+    rep = swan_plan(specs, ranges, mode="replicated")
     assert all(o == -1 for bk in rep.buckets for o in bk.owners.values())
 
 
@@ -74,14 +75,14 @@ def test_plan_is_deterministic_balanced_and_bucketed():
 def test_bytes_moved_is_the_minimum_for_even_shards(world):
     specs = [MatrixSpec(f"m{i}", (8 * world, 16), NSDS) for i in range(6)]
     ranges = [[_row_shards(s.shape, world)[r] for s in specs] for r in range(world)]
-    plan = build_plan(specs, ranges)
+    plan = swan_plan(specs, ranges)
     total = sum(4 * s.numel for s in specs)
     assert plan.bytes_moved() == 2 * (world - 1) * total // world
 
 
 def test_replicated_ranges_send_nothing_towards_owners():
     specs = [MatrixSpec(f"m{i}", (5, 7), NSDS) for i in range(4)]
-    plan = build_plan(specs, [[(0, 35)] * 4 for _ in range(3)])
+    plan = swan_plan(specs, [[(0, 35)] * 4 for _ in range(3)])
     fwd = sum(len(plan.forward_segments(b, s, d)) for b in plan.buckets for s in range(3) for d in range(3))
     assert fwd == 0 and plan.bytes_moved() == 4 * 2 * 4 * 35  # each update to the 2 other ranks
 
@@ -89,11 +90,11 @@ def test_replicated_ranges_send_nothing_towards_owners():
 def test_plan_rejects_bad_ranges():
     spec = MatrixSpec("w", (4, 5), NSDS)
     with pytest.raises(ValueError, match="invalid range"):
-        build_plan([spec], [[(0, 21)], [(0, 0)]])
+        swan_plan([spec], [[(0, 21)], [(0, 0)]])
     with pytest.raises(ValueError, match="no rank holds"):
-        build_plan([spec], [[(0, 10)], [(12, 20)]])
+        swan_plan([spec], [[(0, 10)], [(12, 20)]])
     with pytest.raises(ValueError, match="mode"):
-        build_plan([spec], [[(0, 20)]], mode="ring")
+        swan_plan([spec], [[(0, 20)]], mode="ring")
 
 
 # ---------------------------------------------------------------------------------------- exchange
@@ -111,8 +112,8 @@ def _exchange_worker(rank, world, cases):
         ranges = [[all_ranges[m][r] for m in range(len(specs))] for r in range(world)]
         gathered = [None] * world
         dist.all_gather_object(gathered, ranges[rank])
-        plan = build_plan(specs, gathered, mode, bucket_bytes)
-        ex = Exchange(plan, rank, None, torch.device("cpu"), [torch.float32] * len(specs), **opts)
+        plan = swan_plan(specs, gathered, mode, bucket_bytes)
+        ex = swan_exchange(plan, rank, None, torch.device("cpu"), [torch.float32] * len(specs), **opts)
         calls = []
         a2a = dist.all_to_all_single
         dist.all_to_all_single = lambda *a, **k: calls.append(a[0].numel()) or a2a(*a, **k)
@@ -122,8 +123,12 @@ def _exchange_worker(rank, world, cases):
                  for m, (lo, hi) in enumerate(ranges[rank])]
         before = [g.clone() if g is not None else None for g in grads]
         got = {}
+
+        def keep(m, u, finite):
+            got[m] = u.clone() if finite else torch.full_like(u, float("nan"))
+
         try:
-            ex.run(grads, set(skip), lambda m, u: got.__setitem__(m, u.clone()))
+            ex.run(grads, set(skip), keep)
         finally:
             dist.all_to_all_single = a2a
         assert all(a is b is None or torch.equal(a, b) for a, b in zip(grads, before))  # gradients untouched
@@ -134,7 +139,7 @@ def _exchange_worker(rank, world, cases):
                 errs.append((got[m] - ref).abs().max().item())
             else:
                 assert m not in got
-        out.append((max(errs, default=0.0), [b.owners for b in plan.buckets], len(plan.buckets), len(ex._steps),
+        out.append((max(errs, default=0.0), [b.owners for b in plan.buckets], len(plan.buckets), len(ex.steps),
                     len(calls)))
     return out
 

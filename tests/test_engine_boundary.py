@@ -13,7 +13,7 @@ from torch import nn
 from dist_utils import run_distributed
 from swan_dist import SWAN
 from swan_dist.adapter import Adapter, tensor_piece
-from swan_dist.routing import comm_device, served_devices
+from swan_dist.collectives import comm_device, served_devices
 from test_distributed_optimizer import Net, _global_grads
 
 pytestmark = pytest.mark.timeout(300)
@@ -225,9 +225,9 @@ def _reshard_worker(rank, world):
         grads = _global_grads(full, t)
         for n, p in named:
             p.grad = grads[n][p.row0: p.row0 + p.shape[0]].clone()
-        before = opt._plans.built
+        before = opt.plans.built
         opt.step()
-        built.append(opt._plans.built - before)
+        built.append(opt.plans.built - before)
     return {n: p.detach() for n, p in named}, built
 
 

@@ -12,7 +12,7 @@ from torch import nn
 
 from dist_utils import run_distributed
 from swan_dist import SWAN
-from swan_dist.routing import Layout
+from swan_dist.layout import Layout
 
 pytestmark = pytest.mark.timeout(300)
 EXPERTS = ["experts_up", "experts_down"]

@@ -13,10 +13,10 @@ import torch
 from dist_utils import run_distributed
 from torch import nn
 
+import swan_dist.collect as collect
 import swan_dist.functional as F
-import swan_dist.pieces as sp
-import swan_dist.routing as sr
-import swan_dist.rules as rules
+import swan_dist.rules.fallback as fallback
+import swan_dist.whitening as whitening
 from swan_dist import SWAN
 
 pytestmark = pytest.mark.timeout(420)
@@ -103,9 +103,12 @@ def _local(p):
     return (p.to_local() if hasattr(p, "to_local") else p).detach().clone()
 
 
-def _inject(fault, monkey):
+def _inject(fault, monkey, calls):
+    """Patch the module global that the fault replaces; ``calls`` counts the calls each patch took, so a
+    moved name cannot make the test pass without injecting anything."""
     def boom(kind):
         def raise_(*a, **k):
+            calls.append(fault)
             if kind is torch.OutOfMemoryError:
                 raise torch.OutOfMemoryError("injected: CUDA out of memory. Tried to allocate 2.00 GiB")
             raise kind(f"injected {fault}")
@@ -113,19 +116,23 @@ def _inject(fault, monkey):
 
     if fault == "adapter":  # asked for pieces, or for a group whose tensors a framework replaced
         for name in ("adapter_for", "adopt"):
-            monkey.append((sp, name, getattr(sp, name)))
-            setattr(sp, name, boom(KeyError))
+            monkey.append((collect, name, getattr(collect, name)))
+            setattr(collect, name, boom(KeyError))
     elif fault == "fallback":
-        monkey.append((rules, "run_fallback", rules.run_fallback))
-        rules.run_fallback = boom(RuntimeError)
+        monkey.append((fallback, "run_fallback", fallback.run_fallback))
+        fallback.run_fallback = boom(RuntimeError)
     elif fault in ("whiten", "oom"):
-        monkey.append((sr, "swan_update", sr.swan_update))
-        sr.swan_update = boom(ValueError if fault == "whiten" else torch.OutOfMemoryError)
+        monkey.append((whitening, "swan_update", whitening.swan_update))
+        whitening.swan_update = boom(ValueError if fault == "whiten" else torch.OutOfMemoryError)
     elif fault == "nan_output":
         for name in ("whiten", "_whitener"):
             orig = getattr(F, name)
             monkey.append((F, name, orig))
-            setattr(F, name, lambda *a, _o=orig, **k: _o(*a, **k) * float("nan"))
+
+            def nan(*a, _o=orig, **k):
+                calls.append(fault)
+                return _o(*a, **k) * float("nan")
+            setattr(F, name, nan)
 
 
 def _worker(rank, world, kind):
@@ -144,9 +151,9 @@ def _worker(rank, world, kind):
             opt.exchange.plan.specs[m].key: b.owners[m] for b in opt.exchange.plan.buckets for m in b.matrices}
         _backward(wrapped, data_rank(rank), 1)
         before = {n: _local(p) for n, p in owner_model.named_parameters()}
-        monkey = []
+        monkey, calls = [], []
         if rank == last:
-            _inject(fault, monkey)
+            _inject(fault, monkey, calls)
             opt._collector.reuse.clear()  # the adapter is asked again
         t0 = time.perf_counter()
         err, warned = None, []
@@ -163,7 +170,7 @@ def _worker(rank, world, kind):
         elapsed = time.perf_counter() - t0
         unchanged = {n for n, p in owner_model.named_parameters() if torch.equal(_local(p), before[n])}
         out[fault] = dict(err=err, warned=warned, elapsed=elapsed, unchanged=unchanged, owners=owners,
-                          skips=dict(opt.nonfinite_skips), names=set(before))
+                          skips=dict(opt.nonfinite_skips), names=set(before), injected=len(calls))
     return out
 
 
@@ -182,6 +189,8 @@ def test_one_rank_fault_is_every_ranks_error(kind, world):
     results = run_distributed(_worker, world, kind, timeout=400)
     last = world - 1
     for rank, out in enumerate(results):
+        for fault in ("adapter", "fallback", "whiten", "oom", "nan_output"):  # each patch ran where it was set
+            assert (out[fault]["injected"] > 0) == (rank == last), (kind, rank, fault, out[fault]["injected"])
         for fault, (mine, others, words) in EXPECT.items():
             r = out[fault]
             assert r["err"] is not None, (kind, rank, fault)

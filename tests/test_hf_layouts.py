@@ -17,7 +17,7 @@ from torch import nn
 
 import swan_dist
 from swan_dist.functional import WhitenConfig, swan_update
-from swan_dist.routing import split_rows
+from swan_dist.layout import split_rows
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
@@ -162,7 +162,7 @@ def test_transposed_layout_round_trip_and_boxes():
     """Layout(transposed): canonical order = the stored (in, out) tensor's order (column blocks of it
     too), to_full gives the (out, in) matrix, from_full inverts it; a row range of the stored tensor
     (FSDP2 Shard(0)) is one contiguous range, also for a stack of experts."""
-    from swan_dist.routing import Layout
+    from swan_dist.layout import Layout
 
     for shape, cuts in (((5, 7), ()), ((5, 7), (2, 4)), ((3, 5, 7), ()), ((3, 5, 7), (3,))):
         stored = torch.arange(float(torch.Size(shape).numel())).reshape(*shape[:-2], shape[-1], shape[-2])

@@ -1,4 +1,4 @@
-"""Tensors handed to collectives are let go of on the main thread (swan_dist.inflight): a tensor another
+"""Tensors handed to collectives are let go of on the main thread (swan_dist.collectives): a tensor another
 thread still references after its collective is kept until that thread lets go, also at interpreter exit.
 The abort this prevents (a gloo worker freeing a tensor's Python object while the interpreter finalizes)
 is rare and timing-bound; these tests check the mechanism and that a distributed step leaves nothing
@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 
 from dist_utils import run_distributed
-from swan_dist import SWAN, inflight
+from swan_dist import SWAN
+from swan_dist import collectives as inflight
 
 
 def test_a_tensor_another_reference_holds_is_kept_until_it_is_let_go():
@@ -34,7 +35,7 @@ def test_drain_at_exit_waits_for_the_other_reference():
         import atexit
         atexit.register(lambda: print("after", inflight.pending()))  # registered first: runs after drain
         import threading, time, torch
-        from swan_dist import inflight  # registers drain
+        from swan_dist import collectives as inflight  # registers drain
         t = torch.zeros(4)
         before = inflight.counts(t)
         holder = [t[:2]]          # let go of by another thread 200 ms later

@@ -168,13 +168,17 @@ def test_structure_and_layout_hashes_follow_options_and_pieces_not_scalars():
     for p in model.parameters():
         p.grad = torch.randn_like(p)
 
+    kept = Hashes()
+
     def hashes():
-        entries = opt._collector.collect(opt, None)
+        entries, failure = opt.collect_entries()
+        assert failure is None
         records, pieces = [e.record for e in entries], [e.piece for e in entries]
-        got = opt._hashes.structure(records, ("auto", 1.0)), opt._hashes.layout(pieces)
+        got = kept.structure(records, ("auto", 1.0)), kept.layout(pieces)
         fresh = Hashes()
         assert got == (fresh.structure(records, ("auto", 1.0)), fresh.layout(pieces))
-        opt._collector.release(entries)
+        for e in entries:
+            e.piece.grad = e.piece.target_grad = None
         return got
 
     first = hashes()

@@ -152,7 +152,7 @@ def test_megatron_tensor_parallel_layers_equal_single_process(world, tp):
 def test_fused_matrix_whitened_fused_without_split():
     """Without the row pattern the fused matrix is one matrix: the result differs from the split one
     (so the split test above can fail)."""
-    from swan_dist.routing import split_rows
+    from swan_dist.layout import split_rows
     from swan_dist.functional import WhitenConfig, swan_update
 
     g = _qkv(_full_values(3), "weight")

@@ -391,7 +391,7 @@ def test_state_bytes_count_the_fallback_moments_only():
 def test_local_stacks_cut_at_the_cpu_batch_bound_give_the_same_step(monkeypatch, per):
     """The CPU whitens same-shape matrices in stacks of at most _CPU_BATCH_BYTES: a stack cut into
     chunks (with a remainder) gives each matrix exactly its own single-matrix update."""
-    import swan_dist.execute as so
+    import swan_dist.whitening as so
 
     monkeypatch.setattr(so, "_CPU_BATCH_BYTES", per * 4 * 12 * 10)
     torch.manual_seed(0)

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from swan_dist.functional import WhitenConfig
-from swan_dist.routing import MatrixSpec, build_plan, row_shard_ranges
+from swan_dist.plan import MatrixSpec, row_shard_ranges
+from swan_dist.whitening import swan_plan
 
 NSDS = WhitenConfig()
 NS = WhitenConfig(method="ns", steps=5, beta=0.8)
@@ -61,7 +62,7 @@ def test_llama_like_layers_within_5_percent_of_both_bounds(cfg, world):
     more than `bucket_bytes` on some owners)."""
     specs = _llama_like(cfg)
     bucket_bytes = 3 * 4 * 172 * 64
-    plan = build_plan(specs, _row_ranges(specs, world), bucket_bytes=bucket_bytes)
+    plan = swan_plan(specs, _row_ranges(specs, world), bucket_bytes=bucket_bytes)
     _check_invariants(plan, specs, bucket_bytes)
     assert len(plan.buckets) > 1
     per_bucket, whole = plan.bounds()
@@ -73,7 +74,7 @@ def test_llama_like_layers_within_5_percent_of_both_bounds(cfg, world):
 def test_irregular_mix_within_5_percent_of_both_bounds(seed, world):
     specs = _mix(seed)
     bucket_bytes = 4 * 4 * 96 * 128
-    plan = build_plan(specs, _row_ranges(specs, world), bucket_bytes=bucket_bytes)
+    plan = swan_plan(specs, _row_ranges(specs, world), bucket_bytes=bucket_bytes)
     _check_invariants(plan, specs, bucket_bytes)
     assert len(plan.buckets) > 1
     per_bucket, whole = plan.bounds()
@@ -83,7 +84,7 @@ def test_irregular_mix_within_5_percent_of_both_bounds(seed, world):
 
 def test_fewer_matrices_than_ranks_one_owner_each():
     specs = _llama_like(NS, layers=2)
-    plan = build_plan(specs, _row_ranges(specs, 64))
+    plan = swan_plan(specs, _row_ranges(specs, 64))
     assert len(plan.buckets) == 1 and len(set(plan.buckets[0].owners.values())) == len(specs)
     assert plan.slowest() == max(plan.costs) == plan.bounds()[1]
 
@@ -96,7 +97,7 @@ def test_every_matrix_once_and_byte_bounds_on_random_inputs(seed):
     specs = [MatrixSpec(f"m{i}", tuple(rng.choice([1, 3, 8, 16, 40]) for _ in range(rng.choice([2, 2, 3]))),
                         rng.choice([NS, NSDS])) for i in range(rng.randint(0, 60))]
     bucket_bytes = rng.choice([16, 400, 2000, 10**6])
-    plan = build_plan(specs, _row_ranges(specs, world), bucket_bytes=bucket_bytes)
+    plan = swan_plan(specs, _row_ranges(specs, world), bucket_bytes=bucket_bytes)
     _check_invariants(plan, specs, bucket_bytes)
 
 
@@ -108,7 +109,7 @@ def test_matrices_larger_than_the_bound():
     big = [MatrixSpec(f"b{i}", (20, 20), NS) for i in range(3)]  # 1600 B: > bucket_bytes, <= 4 x bucket_bytes
     huge = [MatrixSpec("h", (40, 40), NS)]  # 6400 B > 4 x bucket_bytes
     specs = small[:7] + big[:1] + huge + small[7:] + big[1:]
-    plan = build_plan(specs, _row_ranges(specs, world), bucket_bytes=bucket_bytes)
+    plan = swan_plan(specs, _row_ranges(specs, world), bucket_bytes=bucket_bytes)
     _check_invariants(plan, specs, bucket_bytes)
     h = specs.index(huge[0])
     assert [b.matrices for b in plan.buckets if h in b.matrices] == [[h]]
@@ -127,7 +128,7 @@ def test_every_owner_whitens_a_matrix_above_the_bound_in_the_same_bucket(world):
     (3.4x it at W=8 when such a matrix counted in full against the bucket's W x `bucket_bytes`)."""
     specs = _llama_like(NSDS, layers=8, dim=64, ffn=224)  # MLP 224 x 64 fp32: 57 KiB; attention 16 KiB
     bucket_bytes = 4 * 64 * 64  # one attention matrix per owner and bucket
-    plan = build_plan(specs, _row_ranges(specs, world), bucket_bytes=bucket_bytes)
+    plan = swan_plan(specs, _row_ranges(specs, world), bucket_bytes=bucket_bytes)
     _check_invariants(plan, specs, bucket_bytes)
     per_bucket, whole = plan.bounds()
     assert plan.slowest() <= 1.05 * whole, plan.slowest() / whole
@@ -141,7 +142,7 @@ def test_owner_is_a_rank_holding_the_matrix_when_it_costs_nothing():
     world = 4
     specs = [MatrixSpec(f"m{i}", (6, 6), NS) for i in range(world)]
     ranges = [[(0, 36) if m == (r + 1) % world else (0, 0) for m in range(world)] for r in range(world)]
-    plan = build_plan(specs, ranges)
+    plan = swan_plan(specs, ranges)
     assert plan.buckets[0].owners == {m: (m - 1) % world for m in range(world)}
     assert sum(len(plan.forward_segments(b, s, d)) for b in plan.buckets for s in range(world) for d in range(world)) == 0
 
@@ -154,7 +155,7 @@ def test_equal_matrices_held_whole_are_computed_where_they_lie(world, per_rank):
     n = world * per_rank
     specs = [MatrixSpec(f"m{i}", (8, 8), NS) for i in range(n)]
     ranges = [[(0, 64) if m // per_rank == r else (0, 0) for m in range(n)] for r in range(world)]
-    plan = build_plan(specs, ranges)
+    plan = swan_plan(specs, ranges)
     owners = {m: o for b in plan.buckets for m, o in b.owners.items()}
     assert owners == {m: m // per_rank for m in range(n)}
     assert plan.bytes_moved() == 0
@@ -164,7 +165,7 @@ def test_equal_matrices_held_whole_are_computed_where_they_lie(world, per_rank):
 
 def test_holders_first_keeps_loads_and_takes_only_a_gain():
     """Owners are exchanged only among matrices of equal cost and bytes, and only where fewer elements move."""
-    from swan_dist.routing import _holders_first
+    from swan_dist.plan.packing import _holders_first
 
     costs, nbytes = [1.0, 1.0, 2.0, 2.0], [4, 4, 8, 8]
     held = torch.tensor([[0, 9], [9, 0], [5, 5], [5, 5]])  # held[m][r]
@@ -178,17 +179,17 @@ _PLAN_SCRIPT = """
 import json, sys
 sys.path.insert(0, {tests!r})
 from test_planner import _mix, _row_ranges
-from swan_dist.routing import build_plan
+from swan_dist.whitening import swan_plan
 specs = _mix(3, 90)
-plan = build_plan(specs, _row_ranges(specs, 5), bucket_bytes=4 * 96 * 128 * 3)
+plan = swan_plan(specs, _row_ranges(specs, 5), bucket_bytes=4 * 96 * 128 * 3)
 print(json.dumps([sorted(b.owners.items()) for b in plan.buckets]))
 """
 
 
 def test_plan_is_identical_across_processes_and_hash_seeds():
     specs = _mix(3, 90)
-    a = build_plan(specs, _row_ranges(specs, 5), bucket_bytes=4 * 96 * 128 * 3)
-    b = build_plan(list(specs), [list(r) for r in _row_ranges(specs, 5)], bucket_bytes=4 * 96 * 128 * 3)
+    a = swan_plan(specs, _row_ranges(specs, 5), bucket_bytes=4 * 96 * 128 * 3)
+    b = swan_plan(list(specs), [list(r) for r in _row_ranges(specs, 5)], bucket_bytes=4 * 96 * 128 * 3)
     here = [sorted(x.owners.items()) for x in a.buckets]
     assert here == [sorted(x.owners.items()) for x in b.buckets]
     script = _PLAN_SCRIPT.format(tests=os.path.dirname(os.path.abspath(__file__)))

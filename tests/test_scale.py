@@ -13,8 +13,10 @@ import pytest
 import torch
 
 from swan_dist.functional import WhitenConfig
-from swan_dist.routing import (Bucket, Exchange, MatrixSpec, Plan, Ranges, _Holders, _Step, build_plan, cover,
-                               row_shard_ranges)
+from swan_dist.exchange import Moves, Slot, Splits, Step
+from swan_dist.exchange.schedule import Holders, moves
+from swan_dist.plan import Bucket, MatrixSpec, Plan, Ranges, cover, row_shard_ranges
+from swan_dist.whitening import swan_exchange, swan_plan
 
 NSDS = WhitenConfig()
 NS = WhitenConfig(method="ns", steps=5, beta=0.8)
@@ -22,17 +24,17 @@ CPU = torch.device("cpu")
 
 
 # ------------------------------------------------------------------------------ reference definitions
-def _reference_moves(plan: Plan, matrices, bucket: Bucket) -> tuple[bool, bool]:
+def _reference_moves(plan: Plan, matrices, bucket: Bucket) -> Moves:
     """Whether any rank sends gradients / updates, from every rank's range (the definition)."""
     fwd = bwd = False
     for m in matrices:
         n, computers = plan.specs[m].numel, set(plan.computers(m, bucket))
         fwd = fwd or n > 0 and any(tuple(plan.ranges[c][m]) != (0, n) for c in computers)
         bwd = bwd or any(hi > lo for r, (lo, hi) in enumerate(rg[m] for rg in plan.ranges) if r not in computers)
-    return fwd, bwd
+    return Moves(fwd, bwd)
 
 
-def _reference_step(plan: Plan, rank: int, b: Bucket, stack_bytes, dtypes) -> _Step:
+def _reference_step(plan: Plan, rank: int, b: Bucket, stack_bytes, dtypes) -> Step:
     """One rank's step from the segments every pair of ranks exchanges (O(W^2) covers per rank)."""
     w = plan.world
     send = [plan.forward_segments(b, rank, d) for d in range(w)]
@@ -41,12 +43,14 @@ def _reference_step(plan: Plan, rank: int, b: Bucket, stack_bytes, dtypes) -> _S
     brecv = [plan.backward_segments(b, s, rank) for s in range(w)]
     size = lambda segs: sum(hi - lo for _, lo, hi in segs)  # noqa: E731
 
-    def at(per_rank):
+    def at(per_rank, flags=False):  # each rank's segments, then (updates) one finite flag per segment
         out, offset = {}, 0
         for segs in per_rank:
+            flag = offset + size(segs)
             for m, lo, hi in segs:
-                out.setdefault(m, []).append((lo, hi, offset))
-                offset += hi - lo
+                out.setdefault(m, []).append(Slot(lo, hi, offset, flag if flags else -1))
+                offset, flag = offset + hi - lo, flag + 1
+            offset += len(segs) if flags else 0
         return out
 
     mine = [m for m in b.matrices if plan.computes(rank, m, b)]
@@ -61,11 +65,11 @@ def _reference_step(plan: Plan, rank: int, b: Bucket, stack_bytes, dtypes) -> _S
         per = len(ms) if not stack_bytes else max(1, stack_bytes // max(1, 4 * plan.specs[ms[0]].numel))
         stacks += [ms[i:i + per] for i in range(0, len(ms), per)]
     ds = {dtypes[m] for m in b.matrices}
-    return _Step(list(b.matrices), ([size(s) for s in send], [size(s) for s in recv]),
-                 [seg for segs in send for seg in segs], at(recv),
-                 ([size(s) for s in bsend], [size(s) for s in brecv]),
-                 at(bsend), [seg for segs in brecv for seg in segs], own, stacks,
-                 ds.pop() if len(ds) == 1 else torch.float32, _reference_moves(plan, b.matrices, b))
+    return Step(list(b.matrices), Splits([size(s) for s in send], [size(s) for s in recv]),
+                [seg for segs in send for seg in segs], at(recv),
+                Splits([size(s) + len(s) for s in bsend], [size(s) + len(s) for s in brecv]),
+                at(bsend, True), at(brecv, True), own, stacks,
+                ds.pop() if len(ds) == 1 else torch.float32, _reference_moves(plan, b.matrices, b))
 
 
 # ---------------------------------------------------------------------------------------- layouts
@@ -110,7 +114,7 @@ def test_holders_cover_equals_cover_for_every_rank_and_source():
         world = rng.choice([1, 2, 3, 5, 8, 13])
         spec = MatrixSpec("w", (rng.choice([1, 2, 5, 12]), rng.choice([1, 3, 7])), NS)
         col = [rg[0] for rg in _random([spec], world, rng)]
-        holders = _Holders(spec.numel, [lo for lo, _ in col], [hi for _, hi in col])
+        holders = Holders(spec.numel, [lo for lo, _ in col], [hi for _, hi in col])
         for dst in range(world):
             want = cover(col, dst, spec)
             assert holders.cover(dst, col[dst]) == want, (col, dst)
@@ -130,20 +134,21 @@ def test_every_ranks_steps_equal_the_reference(kind, mode):
                                    (200, dict(phase_bytes=100, stack_bytes=1 << 30))]:
             specs = _specs(rng)
             dtypes = [rng.choice([torch.float32, torch.bfloat16]) for _ in specs]
-            plan = build_plan(specs, _layout(kind, specs, world, rng), mode, bucket_bytes)
+            plan = swan_plan(specs, _layout(kind, specs, world, rng), mode, bucket_bytes)
             owners = {m: o for b in plan.buckets for m, o in b.owners.items()}
             assert plan.bytes_moved(2) == 2 * sum(
                 hi - lo for b in plan.buckets for s in range(world) for d in range(world)
                 for _, lo, hi in plan.forward_segments(b, s, d) + plan.backward_segments(b, s, d))
             for rank in range(world):
-                ex = Exchange(plan, rank, None, CPU, dtypes, **opts)
+                ex = swan_exchange(plan, rank, None, CPU, dtypes, **opts)
                 for b in plan.buckets:
-                    assert ex._moves(b.matrices, b) == _reference_moves(plan, b.matrices, b)
-                assert sorted(m for st in ex._steps for m in st.matrices) == list(range(len(specs)))
-                for st in ex._steps:
+                    assert moves(plan, b.matrices, b) == _reference_moves(plan, b.matrices, b)
+                assert sorted(m for st in ex.steps for m in st.matrices) == list(range(len(specs)))
+                for st in ex.steps:
                     want = _reference_step(plan, rank, Bucket(st.matrices, owners), opts.get("stack_bytes"), dtypes)
                     assert st == want, (world, bucket_bytes, rank, st.matrices)
-                    for got, ref in [(st.recv_at, want.recv_at), (st.send_at, want.send_at), (st.own, want.own)]:
+                    for got, ref in [(st.grads_in, want.grads_in), (st.updates_out, want.updates_out),
+                                     (st.updates_in, want.updates_in), (st.own, want.own)]:
                         assert list(got.items()) == list(ref.items())  # the same order too
 
 
@@ -153,8 +158,8 @@ def test_peers_agree_at_w_64():
     world, rng = 64, random.Random(1)
     specs = [MatrixSpec(f"l{i}.{j}", s, NSDS) for i in range(8)
              for j, s in enumerate([(64, 64)] * 4 + [(172, 64), (64, 172), (172, 64)])]
-    plan = build_plan(specs, _random(specs, world, rng), bucket_bytes=4 * 172 * 64 * 2)
-    steps = [Exchange(plan, r, None, CPU, [torch.float32] * len(specs))._steps for r in range(world)]
+    plan = swan_plan(specs, _random(specs, world, rng), bucket_bytes=4 * 172 * 64 * 2)
+    steps = [swan_exchange(plan, r, None, CPU, [torch.float32] * len(specs)).steps for r in range(world)]
 
     def by_peer(splits, segs):
         out, i = [], 0
@@ -167,15 +172,25 @@ def test_peers_agree_at_w_64():
             out.append(taken)
         return out
 
-    def received(at, splits):
-        flat = sorted((off, m, lo, hi) for m, segs in at.items() for lo, hi, off in segs)
-        return by_peer(splits, [(m, lo, hi) for _, m, lo, hi in flat])
+    def received(at, splits, flags=False):  # update buffers: one flag per segment after each peer's segments
+        flat = sorted((off, m, lo, hi) for m, segs in at.items() for lo, hi, off, _ in segs)
+        segs = [(m, lo, hi) for _, m, lo, hi in flat]
+        if not flags:
+            return by_peer(splits, segs)
+        out, i = [], 0
+        for n in splits:
+            taken = []
+            while n:
+                taken.append(segs[i])
+                n, i = n - (segs[i][2] - segs[i][1]) - 1, i + 1
+            out.append(taken)
+        return out
 
     for k in range(len(steps[0])):
-        sent = [by_peer(steps[r][k].fwd[0], steps[r][k].fwd_send) for r in range(world)]
-        got = [received(steps[r][k].recv_at, steps[r][k].fwd[1]) for r in range(world)]
-        back = [received(steps[r][k].send_at, steps[r][k].bwd[0]) for r in range(world)]
-        back_got = [by_peer(steps[r][k].bwd[1], steps[r][k].bwd_recv) for r in range(world)]
+        sent = [by_peer(steps[r][k].grads.send, steps[r][k].grads_out) for r in range(world)]
+        got = [received(steps[r][k].grads_in, steps[r][k].grads.recv) for r in range(world)]
+        back = [received(steps[r][k].updates_out, steps[r][k].updates.send, True) for r in range(world)]
+        back_got = [received(steps[r][k].updates_in, steps[r][k].updates.recv, True) for r in range(world)]
         for s in range(world):
             for d in range(world):
                 assert sent[s][d] == got[d][s] and back[s][d] == back_got[d][s], (k, s, d)
@@ -192,7 +207,7 @@ def test_ranges_read_like_lists():
     with pytest.raises(IndexError):
         r[0][2]
     spec = MatrixSpec("w", (2, 3), NS)
-    plan = build_plan([spec, MatrixSpec("v", (2, 2), NS)], lists)
+    plan = swan_plan([spec, MatrixSpec("v", (2, 2), NS)], lists)
     assert plan.ranges == lists and plan.ranges[1][0] == (3, 6)
     assert Plan(plan.specs, lists, plan.buckets, plan.mode, plan.costs) == plan  # lists are converted
 
@@ -206,12 +221,13 @@ def test_llama_70b_at_w_1024_is_fast_and_small():
     world = 1024
     ranges = row_shard_ranges(specs, world)
     start = time.perf_counter()
-    plan = build_plan(specs, ranges)
-    ex = Exchange(plan, 517, None, CPU, [torch.bfloat16] * len(specs))
+    plan = swan_plan(specs, ranges)
+    ex = swan_exchange(plan, 517, None, CPU, [torch.bfloat16] * len(specs))
     elapsed = time.perf_counter() - start
     assert elapsed < 10, elapsed
     assert plan.ranges == ranges and plan.ranges.flat.itemsize * len(plan.ranges.flat) == 16 * world * len(specs)
-    sent = sum(sum(st.fwd[0]) + sum(st.bwd[0]) for st in ex._steps)
+    sent = sum(sum(st.grads.send) + sum(st.updates.send) - sum(len(v) for v in st.updates_out.values())
+               for st in ex.steps)  # elements, without the updates' finite flags
     mine = [m for b in plan.buckets for m, o in b.owners.items() if o == 517]
     held = lambda r, m: ranges[r][m][1] - ranges[r][m][0]  # noqa: E731
     # the minimum: its piece of every matrix it does not own to the owner, and each holder's piece of its own

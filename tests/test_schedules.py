@@ -64,11 +64,11 @@ def _run(kind, calls=None):
     per_step, lrs = [], []
     for t in range(STEPS):
         _grads(model, t)
-        before, built = dict(calls or {}), opt._plans.built
+        before, built = dict(calls or {}), opt.plans.built
         opt.step()
         sched.step()
         lrs.append([(g["lr"], g["betas"][0]) for g in opt.param_groups])
-        per_step.append(({k: calls[k] - before[k] for k in calls} if calls else {}, opt._plans.built - built))
+        per_step.append(({k: calls[k] - before[k] for k in calls} if calls else {}, opt.plans.built - built))
     return model, opt, per_step, lrs
 
 
@@ -84,9 +84,9 @@ def _worker(rank, world):
     rebuilt = []
     for t in range(3):
         _grads(model, t)
-        before, built = dict(calls), opt._plans.built
+        before, built = dict(calls), opt.plans.built
         opt.step()
-        rebuilt.append(({k: calls[k] - before[k] for k in calls}, opt._plans.built - built))
+        rebuilt.append(({k: calls[k] - before[k] for k in calls}, opt.plans.built - built))
     # one rank's lr differs (its scheduler diverged): every rank raises, naming the key
     if rank == world - 1:
         opt.param_groups[0]["lr"] *= 2

@@ -29,7 +29,7 @@ def _peers(opt: SWAN) -> tuple[set[int], int]:
     ex = opt.exchange
     ranks = dist.get_process_group_ranks(ex.group or dist.group.WORLD)
     me = dist.get_rank()
-    peers = {ranks[d] for st in ex._steps for splits in (st.fwd[0], st.bwd[0]) for d, n in enumerate(splits) if n}
+    peers = {ranks[d] for st in ex.steps for splits in (st.grads.send, st.updates.send) for d, n in enumerate(splits) if n}
     return peers - {me}, ex.bytes_sent
 
 

@@ -1,7 +1,7 @@
-"""Whitening SWAN's matrices and applying their updates: on this rank alone (every matrix whole here),
-or through the owner/replicated exchange (:class:`swan_dist.routing.Exchange`), whose plans are cached
-by the layout (:class:`Plans`): records, every rank's ranges, mode and bucket bound, never a scalar
-option, so that an lr schedule builds nothing.
+"""SWAN's whitening of its matrices and applying the updates: on this rank alone (every matrix whole
+here, :func:`whiten_local`), or through the owner/replicated exchange, whose plans :class:`Plans` builds
+and caches by layout. This is where SWAN's per-matrix computation and cost model are handed to the
+planner and the exchange (:func:`swan_compute`, :func:`swan_cost`), which know nothing of SWAN.
 """
 
 from __future__ import annotations
@@ -13,30 +13,45 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .functional import swan_update
-from .pieces import Entry
-from .routing import Exchange, MatrixSpec, build_plan, matrices_in, update_canonical
+from .collectives import gather_objects
+from .exchange import Exchange
+from .functional import WhitenConfig, swan_update, whiten_flops
+from .layout import matrices_in, part_shapes, update_canonical
+from .plan import MatrixSpec, Plan, build_plan
+from .records import Entry
 from .rules import Pending, apply_stack
 
-__all__ = ["whiten_local", "Plans", "explain"]
+__all__ = ["whiten_local", "Plans", "explain", "swan_compute", "swan_cost", "swan_plan", "swan_exchange"]
 
-# Largest stack of same-shape gradients whitened in one batched call (bounds transient memory). On the
-# CPU, 16 MiB stacks of the `small` model's matrices whitened 15-25 % faster than 1 MiB ones (two threads,
-# while a stack of one still ran as a batch of one); 4 MiB gave the same single-process step since
-# (84.5 vs 85.2 ms, medians of four alternating runs). Work that is only memory passes (whitening
-# "none", applying updates) runs in cache-sized sets instead: 16 MiB made the lean step's 64x64
-# matrices 10-30 % slower.
-_MAX_BATCH_BYTES = 256 << 20
-_CPU_BATCH_BYTES = 16 << 20
-_CPU_PASS_BYTES = 1 << 20
-# The owner engine's stacks on the CPU. In replicated mode a phase holds a share of every matrix, and
-# 4 MiB stacks instead of whole (shape, config) groups made the `small` model's replicated DDP step
-# 10-15 % faster at W=2 (176-187 vs 205-224 ms, alternating runs: glibc faults large fresh buffers in
-# again each step); owner mode's phases already keep its stacks near that size (no change measured).
-_CPU_EXCHANGE_STACK_BYTES = 4 << 20
-# Bytes of updates the exchange hands back that are held before they are applied together (on the CPU,
-# _CPU_PASS_BYTES): a bound on what they keep alive beyond the exchange's own buffers.
-_FLUSH_BYTES = 32 << 20
+# Bounds on stacks and held updates; measurements behind them: docs/benchmarks.md, "Engine constants".
+_MAX_BATCH_BYTES = 256 << 20  # largest stack of same-shape gradients whitened in one call (accelerators)
+_CPU_BATCH_BYTES = 16 << 20  # the same on the CPU
+_CPU_PASS_BYTES = 1 << 20  # memory-pass-only work on the CPU (whitening "none", applying updates)
+_CPU_EXCHANGE_STACK_BYTES = 4 << 20  # the owner engine's stacks on the CPU
+_FLUSH_BYTES = 32 << 20  # updates handed back by the exchange held before they are applied together
+
+
+def swan_compute(stack: Tensor, cfg: WhitenConfig) -> tuple[Tensor, Tensor]:
+    """SWAN's update of a stack of same-shape gradients, and which of them came out finite."""
+    return swan_update(stack, cfg)
+
+
+def swan_cost(spec: MatrixSpec) -> float:
+    """The cost model the planner balances owners on: FLOPs of SWAN's whitening of one matrix (a stack's
+    every matrix, a fused matrix's every part)."""
+    stack = spec.numel // max(1, spec.shape[-2] * spec.shape[-1]) if spec.numel else 0
+    return stack * sum(whiten_flops(part, spec.cfg) for part in part_shapes(spec.shape[-2:], spec.split))
+
+
+def swan_plan(specs: Sequence[MatrixSpec], ranges, mode: str = "owner", bucket_bytes: int = 256 << 20) -> Plan:
+    """:func:`~swan_dist.plan.build_plan` on SWAN's cost model."""
+    return build_plan(specs, ranges, mode, bucket_bytes, cost=swan_cost)
+
+
+def swan_exchange(plan: Plan, rank: int, group, device: torch.device, dtypes: Sequence[torch.dtype],
+                  **options) -> Exchange:
+    """:class:`~swan_dist.exchange.Exchange` running SWAN's computation (``options``: phases, stacks)."""
+    return Exchange(plan, rank, group, device, dtypes, compute=swan_compute, **options)
 
 
 def explain(failure: BaseException | None, bucket_mb: float) -> BaseException | None:
@@ -69,7 +84,7 @@ def whiten_local(entries: Sequence[Entry], nonfinite: list[str]) -> int:
             chunk = chunk_all[k: k + per]
             rows = torch.stack([e.piece.grad for e in chunk])
             upd, ok = update_canonical(rows, [e.record.layout for e in chunk], shape, split,
-                                       lambda x: swan_update(x, cfg))
+                                       lambda x: swan_compute(x, cfg))
             if not bool(ok.all()):
                 keep = ok.tolist()
                 nonfinite += [e.record.name for e, good in zip(chunk, keep) if not good]
@@ -81,8 +96,8 @@ def whiten_local(entries: Sequence[Entry], nonfinite: list[str]) -> int:
 
 
 class Plans:
-    """The exchange per layout key, built on first use (one ``all_gather_object`` of the ranges and
-    :func:`~swan_dist.routing.build_plan`) and cached: ZeRO-3 steps each sub-group alone, each with its
+    """The exchange per layout key, built on first use (one gather of every rank's ranges and
+    :func:`~swan_dist.plan.build_plan`) and cached: ZeRO-3 steps each sub-group alone, each with its
     plan; at most 64 kept (layouts that keep changing, re-sharding, do not grow without bound)."""
 
     def __init__(self) -> None:
@@ -97,11 +112,10 @@ class Plans:
             return plan
         specs = [MatrixSpec(e.record.name, e.record.shape, e.record.cfg, e.record.layout, e.record.split)
                  for e in entries]
-        ranges: list = [None] * dist.get_world_size(group)
-        dist.all_gather_object(ranges, [(e.piece.lo, e.piece.hi) for e in entries], group=group)
-        built = build_plan(specs, ranges, mode, int(bucket_mb * 2**20))
-        plan = Exchange(built, dist.get_rank(group), group, device, [e.piece.param.dtype for e in entries],
-                        stack_bytes=_CPU_EXCHANGE_STACK_BYTES if device.type == "cpu" else None)
+        ranges = gather_objects([(e.piece.lo, e.piece.hi) for e in entries], group)
+        built = swan_plan(specs, ranges, mode, int(bucket_mb * 2**20))
+        plan = swan_exchange(built, dist.get_rank(group), group, device, [e.piece.param.dtype for e in entries],
+                             stack_bytes=_CPU_EXCHANGE_STACK_BYTES if device.type == "cpu" else None)
         if len(self.cache) >= 64:
             self.cache.clear()
         self.cache[key] = plan
@@ -111,14 +125,14 @@ class Plans:
     def run(self, plan: Exchange, entries: Sequence[Entry], skip: set[int], device: torch.device,
             nonfinite: list[str]) -> tuple[int, BaseException | None]:
         """Whiten the matrices of ``entries`` (but those at the indices in ``skip``) on their owners and
-        apply each update piece here; a piece that arrives non-finite (its owner's update was, or its owner
-        failed) is not applied and its name added to ``nonfinite``. Returns the number of matrices this
-        rank whitened and what failed here (every collective of the step was issued all the same)."""
+        apply each update piece here; a piece whose owner's update was not finite (or whose owner failed)
+        is not applied and its name added to ``nonfinite``. Returns the number of matrices this rank
+        whitened and what failed here (every collective of the step was issued all the same)."""
         self.last = plan
         pending = Pending(_CPU_PASS_BYTES if device.type == "cpu" else _FLUSH_BYTES, nonfinite)
 
-        def on_update(m: int, u: Tensor) -> None:
-            pending.add(entries[m].group, entries[m].piece.param, u, entries[m].record.name)
+        def on_update(m: int, u: Tensor, finite: bool) -> None:
+            pending.add(entries[m].group, entries[m].piece.param, u, entries[m].record.name, finite)
 
         whitened = plan.run([e.piece.grad for e in entries], skip, on_update)
         failure = plan.failure
