@@ -90,7 +90,7 @@ print("python", sys.version.split()[0], "| torch", torch.__version__, "| CUDA", 
 import swan_dist, swan_dist.integrations
 print("swan_dist", swan_dist.__version__, "from", swan_dist.__file__, "| integrations from", swan_dist.integrations.__path__[0])
 try:
-    import megatron.core, swan_dist.integrations.megatron
+    import megatron.core, swan_dist.integrations.megatron_factory
     print("megatron-core", megatron.core.__version__, "from", megatron.core.__file__)
 except Exception as e:
     print("megatron-core NOT importable:", type(e).__name__, e)

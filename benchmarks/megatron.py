@@ -8,7 +8,7 @@ SwiGLU, GQA, RoPE, tied embeddings, fp32) trains a few iterations with
 - Megatron's Adam: ``megatron.core.optimizer.get_megatron_optimizer(OptimizerConfig(optimizer="adam",
   use_distributed_optimizer=...))`` (Transformer Engine's or apex's FusedAdam when installed, otherwise
   torch's AdamW: the table names the class);
-- SWAN‡: ``swan_dist.integrations.megatron.get_swan_optimizer`` with the same ``OptimizerConfig``
+- SWAN‡: ``swan_dist.integrations.megatron_factory.get_swan_optimizer`` with the same ``OptimizerConfig``
   (SWAN for the linear weights, each whitened once per step by one owner rank of the TP x DP group;
   the AdamW fallback for embeddings and norms).
 
@@ -154,7 +154,7 @@ def _optimizer(name: str, chunks: list, lr: float, distopt: bool):
     Muon refuses the distributed optimizer: its model is built without one."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    from swan_dist.integrations.megatron import get_swan_optimizer
+    from swan_dist.integrations.megatron_factory import get_swan_optimizer
 
     cfg = OptimizerConfig(optimizer="adam", lr=lr, min_lr=lr / 10, weight_decay=0.1, use_distributed_optimizer=distopt)
     if name == "swan":

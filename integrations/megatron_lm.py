@@ -11,7 +11,7 @@ runs the script with them; a user who edits the script adds one line at its top 
 
 :func:`install` adds ``swan`` to ``--optimizer``'s choices and the ``--swan-*`` options below to
 Megatron's parser, and routes the optimizer build of ``megatron.training.training`` to
-:func:`swan_dist.integrations.megatron.get_swan_optimizer` when ``--optimizer swan`` is given (any other
+:func:`swan_dist.integrations.megatron_factory.get_swan_optimizer` when ``--optimizer swan`` is given (any other
 optimizer is built by Megatron as before). ``--lr``, ``--weight-decay``, ``--adam-beta1/2``,
 ``--adam-eps`` (the AdamW fallback's), schedulers, clipping, loss scaling, logging and checkpoint
 flags keep their Megatron meaning.
@@ -59,7 +59,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def optimizer_config(args, base):
     """Megatron's Adam config built from ``args`` (SWAN takes lr, weight decay, the fallback's betas
     and eps from it), marked ``optimizer='swan'`` and carrying the ``--swan-*`` values."""
-    from swan_dist.integrations.megatron import LEGACY_DIST_OPT_CHECKPOINT
+    from swan_dist.integrations.megatron_checkpoint import LEGACY_DIST_OPT_CHECKPOINT
 
     optim_io = (args.save and not args.no_save_optim) or (args.load and not args.no_load_optim)
     if args.use_distributed_optimizer and optim_io and getattr(args, "ckpt_format", "torch_dist") == "torch":
@@ -82,7 +82,7 @@ def install() -> None:
     import megatron.training.arguments as arguments
     import megatron.training.training as training
 
-    from swan_dist.integrations.megatron import get_swan_optimizer
+    from swan_dist.integrations.megatron_factory import get_swan_optimizer
 
     if getattr(arguments, "_swan_installed", False):
         return

@@ -44,7 +44,7 @@ def _worker(rank, world, distopt, bf16, path, resume, ep=1):
     from megatron.core import parallel_state as ps
     from megatron.core.optimizer import OptimizerConfig
 
-    from swan_dist.integrations.megatron import get_swan_optimizer
+    from swan_dist.integrations.megatron_factory import get_swan_optimizer
 
     h.install_cpu_shims()
     ps.initialize_model_parallel(expert_model_parallel_size=ep)

@@ -39,7 +39,7 @@ def _run(tp, pp, init, *, distopt=False, overlap=False, micro=1, bf16=False, tie
     from megatron.core.optimizer import OptimizerConfig
 
     import megatron_harness as H
-    from swan_dist.integrations.megatron import get_swan_optimizer
+    from swan_dist.integrations.megatron_factory import get_swan_optimizer
 
     chunks, _ = H.build_gpt(tp, pp, bf16=bf16, use_distributed_optimizer=distopt, overlap_grad_reduce=overlap,
                             tied=tied, vocab=VOCAB, seq=SEQ, layers=LAYERS, init_weights=init if tied else None)
@@ -260,7 +260,7 @@ def _refusal_worker(rank, world):
     from megatron.core.optimizer import OptimizerConfig
 
     import megatron_harness as H
-    from swan_dist.integrations.megatron import get_swan_optimizer
+    from swan_dist.integrations.megatron_factory import get_swan_optimizer
 
     H.install_cpu_shims()
     ps.initialize_model_parallel()

@@ -27,7 +27,7 @@ def _worker(rank, world, ep, distopt, init, tp=1, etp=None, pp=1):
     from megatron.core.optimizer import OptimizerConfig
 
     import megatron_harness as H
-    from swan_dist.integrations.megatron import get_swan_optimizer
+    from swan_dist.integrations.megatron_factory import get_swan_optimizer
 
     H.install_moe_shims()
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
@@ -94,7 +94,7 @@ def _etp_worker(rank, world):
     from megatron.core.optimizer import OptimizerConfig
 
     import megatron_harness as H
-    from swan_dist.integrations.megatron import get_swan_optimizer
+    from swan_dist.integrations.megatron_factory import get_swan_optimizer
 
     ps.initialize_model_parallel(expert_tensor_parallel_size=2)
     try:
@@ -174,7 +174,7 @@ def _grouped_worker(rank, world, ep, distopt, etp=1):
     from megatron.core.transformer.moe import grouped_gemm_util
 
     import megatron_harness as H
-    from swan_dist.integrations.megatron import get_swan_optimizer
+    from swan_dist.integrations.megatron_factory import get_swan_optimizer
 
     grouped_gemm_util.grouped_gemm = object()
     ps.initialize_model_parallel(expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
