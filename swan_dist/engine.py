@@ -101,7 +101,8 @@ def run_step(entries: list[Entry], ctx: StepContext, memo: EngineMemo, groups: S
     the fallback rules' state, ``failure`` what went wrong on this rank before (collecting its pieces):
     every rank then fails alike. Never raises for a rank's fault: it is the result's ``failure``."""
     done = StepResult(0, (), (), None)
-    try:
+    entries = [e for e in entries if e.record.use_swan] + [e for e in entries if not e.record.use_swan]
+    try:  # SWAN's matrices first: an entry's index is its matrix index in the exchange
         flags, key = agree(entries, failure, ctx, memo, groups)
         skip, bad_grads = skipped(entries, flags)
         done = done._replace(skipped=tuple(bad_grads))
@@ -123,18 +124,17 @@ def _update(entries: list[Entry], skip: set[int], key: tuple | None, ctx: StepCo
     """The fallback rules, then SWAN's matrices whitened and applied; returns the number of matrices this
     rank whitened. What fails here at W > 1 goes to ``late`` (the exchange's collectives all run
     regardless); names of matrices whose update was not finite go to ``nonfinite``."""
-    swan = [i for i, e in enumerate(entries) if e.record.use_swan]
+    swan = sum(e.record.use_swan for e in entries)  # entries[:swan], SWAN's matrices (run_step's order)
     with late:
         run_fallbacks(state, groups_of(entries), entries, skip)
     if ctx.mode == "local":
-        mine = [entries[i] for i in swan if i not in skip and entries[i].piece.grad is not None]
+        mine = [e for i, e in enumerate(entries[:swan]) if i not in skip and e.piece.grad is not None]
         return whiten_local(mine, nonfinite) if late.error is None else 0
     if not swan:  # the agreed structure covers the entries: every rank returns here or none does
         return 0
-    mine = [entries[i] for i in swan]
+    mine = entries[:swan]
     plan = memo.plans.get(key, mine, ctx.mode, ctx.bucket_mb, ctx.group, ctx.device)
-    whitened, error = memo.plans.run(plan, mine, {m for m, i in enumerate(swan) if i in skip}, ctx.device,
-                                     nonfinite)
+    whitened, error = memo.plans.run(plan, mine, skip, ctx.device, nonfinite)
     late.error = late.error or error
     return whitened
 

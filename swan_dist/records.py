@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
+import math
 import weakref
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -58,7 +60,8 @@ class Descriptor:
 
 @dataclass(frozen=True)
 class Record:
-    """One logical parameter as the engine sees it (immutable; see the module docstring)."""
+    """One logical parameter as the engine sees it (immutable; see the module docstring). A SWAN matrix's
+    record is what the planner and the exchange plan with (a :class:`~swan_dist.plan.Matrix`)."""
 
     name: str
     shape: tuple[int, ...]  # SWAN: the matrix (stack) in the paper's orientation; fallback: as stored
@@ -68,6 +71,14 @@ class Record:
     use_swan: bool
     options: tuple[tuple[str, str], ...]  # STRUCTURE_KEYS of its group, as compared between ranks
     cfg: WhitenConfig | None = field(default=None, compare=False)
+
+    @property
+    def key(self) -> str:  # the planner's name for it (a plan.Matrix)
+        return self.name
+
+    @functools.cached_property
+    def numel(self) -> int:
+        return math.prod(self.shape)
 
     @property
     def descriptor(self) -> Descriptor:

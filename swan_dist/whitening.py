@@ -17,7 +17,7 @@ from .collectives import gather_objects
 from .exchange import Exchange
 from .functional import WhitenConfig, swan_update, whiten_flops
 from .layout import matrices_in, part_shapes, update_canonical
-from .plan import MatrixSpec, Plan, build_plan
+from .plan import Matrix, Plan, build_plan
 from .records import Entry
 from .rules import Pending, apply_stack
 
@@ -36,14 +36,14 @@ def swan_compute(stack: Tensor, cfg: WhitenConfig) -> tuple[Tensor, Tensor]:
     return swan_update(stack, cfg)
 
 
-def swan_cost(spec: MatrixSpec) -> float:
+def swan_cost(spec: Matrix) -> float:
     """The cost model the planner balances owners on: FLOPs of SWAN's whitening of one matrix (a stack's
     every matrix, a fused matrix's every part)."""
     stack = spec.numel // max(1, spec.shape[-2] * spec.shape[-1]) if spec.numel else 0
     return stack * sum(whiten_flops(part, spec.cfg) for part in part_shapes(spec.shape[-2:], spec.split))
 
 
-def swan_plan(specs: Sequence[MatrixSpec], ranges, mode: str = "owner", bucket_bytes: int = 256 << 20) -> Plan:
+def swan_plan(specs: Sequence[Matrix], ranges, mode: str = "owner", bucket_bytes: int = 256 << 20) -> Plan:
     """:func:`~swan_dist.plan.build_plan` on SWAN's cost model."""
     return build_plan(specs, ranges, mode, bucket_bytes, cost=swan_cost)
 
@@ -110,8 +110,7 @@ class Plans:
         plan = self.cache.get(key)
         if plan is not None and plan.device == device:
             return plan
-        specs = [MatrixSpec(e.record.name, e.record.shape, e.record.cfg, e.record.layout, e.record.split)
-                 for e in entries]
+        specs = [e.record for e in entries]  # records are what the planner plans with
         ranges = gather_objects([(e.piece.lo, e.piece.hi) for e in entries], group)
         built = swan_plan(specs, ranges, mode, int(bucket_mb * 2**20))
         plan = swan_exchange(built, dist.get_rank(group), group, device, [e.piece.param.dtype for e in entries],

@@ -6,8 +6,8 @@
 - :mod:`.packing`: the policy, buckets and owners on costs and bytes (the byte-room rule, :func:`has_room`).
 """
 
-from .build import MatrixSpec, Plan, Segment, build_plan, cover, row_shard_ranges
+from .build import Matrix, MatrixSpec, Plan, Segment, build_plan, cover, row_shard_ranges
 from .packing import EVERY_RANK, Bucket
 from .ranges import Ranges
 
-__all__ = ["MatrixSpec", "Plan", "Bucket", "EVERY_RANK", "Ranges", "Segment", "build_plan", "cover", "row_shard_ranges"]
+__all__ = ["Matrix", "MatrixSpec", "Plan", "Bucket", "EVERY_RANK", "Ranges", "Segment", "build_plan", "cover", "row_shard_ranges"]

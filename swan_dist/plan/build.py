@@ -18,15 +18,28 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import Callable, Hashable, Sequence
+from typing import Callable, Hashable, Protocol, Sequence
 
 from ..layout import ROW_MAJOR, Layout, Range
 from .packing import EVERY_RANK, Bucket, owner_buckets, replicated_buckets
 from .ranges import Holding, Ranges, checked_ranges, holding_of
 
-__all__ = ["MatrixSpec", "Bucket", "Plan", "Segment", "build_plan", "cover", "row_shard_ranges"]
+__all__ = ["Matrix", "MatrixSpec", "Bucket", "Plan", "Segment", "build_plan", "cover", "row_shard_ranges"]
 
 Segment = tuple[int, int, int]  # (matrix index, lo, hi)
+
+
+class Matrix(Protocol):
+    """What the planner and the exchange need of a matrix (a :class:`MatrixSpec`, or the engine's record)."""
+
+    key: str  # its name, for errors
+    shape: tuple[int, ...]  # full shape in the paper's orientation (out, in); leading dims: a stack
+    cfg: Hashable  # the per-matrix computation's options: matrices of one (shape, cfg, split) are stacked
+    layout: Layout  # the canonical order the ranks' ranges number elements in
+    split: tuple[int, ...]  # row pattern of a fused matrix computed as separate parts
+
+    @property
+    def numel(self) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -48,7 +61,7 @@ class MatrixSpec:
 class Plan:
     """Buckets and owners for ``specs`` given every rank's ``ranges``; identical on every rank."""
 
-    specs: list[MatrixSpec]
+    specs: list[Matrix]
     ranges: Ranges  # ranges[rank][matrix] == (lo, hi); a list of lists of pairs is converted
     buckets: list[Bucket]
     mode: str
@@ -146,7 +159,7 @@ class Plan:
         return total * elem_bytes
 
 
-def row_shard_ranges(specs: Sequence[MatrixSpec], world: int) -> list[list[Range]]:
+def row_shard_ranges(specs: Sequence[Matrix], world: int) -> list[list[Range]]:
     """Every rank's range of every matrix under FSDP2's ``torch.chunk`` along dim 0: rank r holds rows
     ``[r * ceil(m / W), ...)`` (an expert stack: whole experts), empty past the end. The layout the
     planner's tests and benchmarks use."""
@@ -158,7 +171,7 @@ def row_shard_ranges(specs: Sequence[MatrixSpec], world: int) -> list[list[Range
     return out
 
 
-def cover(ranges: Sequence[Range], dst: int, spec: MatrixSpec) -> list[tuple[int, int, int]]:
+def cover(ranges: Sequence[Range], dst: int, spec: Matrix) -> list[tuple[int, int, int]]:
     """A disjoint cover of ``[0, numel)`` by ``(rank, lo, hi)`` pieces of the holders' ranges, taking
     everything ``dst`` holds from ``dst`` itself and otherwise the holder whose range reaches
     furthest (lowest rank on ties). Raises if some elements are held by no rank."""
@@ -186,12 +199,12 @@ def cover(ranges: Sequence[Range], dst: int, spec: MatrixSpec) -> list[tuple[int
 
 
 def build_plan(
-    specs: Sequence[MatrixSpec],
+    specs: Sequence[Matrix],
     ranges: Sequence[Sequence[Range]],
     mode: str = "owner",
     bucket_bytes: int = 256 << 20,
     *,
-    cost: Callable[[MatrixSpec], float],
+    cost: Callable[[Matrix], float],
 ) -> Plan:
     """Deterministic plan from the matrices and every rank's ranges (same input → same plan); ``cost`` is
     the per-matrix cost model the owners are balanced on (SWAN's: :func:`swan_dist.whitening.swan_cost`)."""
