@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from .adapter import Form, Member, adapter_for, name_bare_params, optimizer_built
 from .collect import Collector, Holdings
 from .engine import MODES, Deferred, EngineMemo, StepContext, StepResult, run_step
+from .in_backward import InBackward, check_in_backward
 from .presets import OPTIMIZER_KEYS, load_preset
 from .records import Entry, Origin
 from .rules import FALLBACKS, check_group, check_scalars
@@ -123,6 +124,12 @@ class SWAN(torch.optim.Optimizer):
             (``True``, the default) or whole (``False``); also a param-group option. Orientation (a weight
             stored ``(in, out)`` is whitened as its transpose) does not depend on it.
         verbose: print the start-up summary (rank 0 only).
+        step_in_backward: update each matrix and each fallback tensor during backward, as soon as its
+            gradient is ready, and free that gradient (the paper's per-layer update: a step never holds
+            every gradient). Updates happen in a backward between ``zero_grad()`` and ``step()``; ``step()``
+            steps what backward left. One process, or FSDP2 / HSDP (pass the model: each FSDP module's
+            parameters are stepped once reduced). Refused under DDP, DeepSpeed, FSDP1 and Megatron; global
+            gradient clipping and pipeline parallelism cannot follow it (docs/optimizer.md).
     """
 
     def __init__(
@@ -151,6 +158,7 @@ class SWAN(torch.optim.Optimizer):
         strict: bool = False,
         verbose: bool = True,
         split_fused: bool = True,
+        step_in_backward: bool = False,
     ) -> None:
         self.preset, defaults = _defaults(preset, dict(
             lr=lr, alpha=alpha, whitening=whitening, ns_steps=ns_steps, beta=beta, grad_norm=grad_norm,
@@ -172,6 +180,11 @@ class SWAN(torch.optim.Optimizer):
         self.whitened_matrices = 0  # matrices whitened so far (SWAN work done, for accounting)
         super().__init__(_as_groups(params, self._include, self._exclude), defaults)
         optimizer_built(self)
+        self._in_backward: InBackward | None = None
+        if step_in_backward:
+            units = check_in_backward([p for g in self.param_groups for p in g["params"]],
+                                      params if isinstance(params, nn.Module) else None)
+            self._in_backward = InBackward(self, units)
         warn_unnamed(self._rows, strict)
         if verbose and _rank0():
             print(self.summary(), flush=True)
@@ -191,7 +204,7 @@ class SWAN(torch.optim.Optimizer):
         super().__setstate__(state)
         # unpickling: absent, so defaults; torch's load_state_dict also calls this: keep what is set
         for key, make in (("process_group", lambda: None), ("_memos", dict), ("_collector", Collector),
-                          ("_forms", dict)):
+                          ("_forms", dict), ("_in_backward", lambda: None)):
             if key not in self.__dict__:
                 self.__dict__[key] = make()
         origin = self.__dict__.get("_origin")
@@ -292,8 +305,18 @@ class SWAN(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self.step_entries(*self.collect_entries(), memo="all")
+        rest = None if self._in_backward is None else self._in_backward.finish()
+        if rest is None:
+            self.step_entries(*self.collect_entries(), memo="all")
+        elif rest:  # what backward left (the same on every rank)
+            self.step_entries(*self.collect_entries(rest), memo="rest")
         return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """torch's; with ``step_in_backward=True`` the next backward updates the parameters."""
+        super().zero_grad(set_to_none)
+        if self._in_backward is not None:
+            self._in_backward.arm()
 
     def _holdings(self) -> Holdings:
         return Holdings(self.param_groups, self.state, self._origin, self._packed, self._forms)
