@@ -3,8 +3,10 @@ tensor is updated as soon as its full gradient is ready, and its gradient freed,
 every gradient (the paper's per-layer update).
 
 A *unit* is what the engine steps at once (:func:`swan_dist.engine.run_step` over its entries): in one
-process, one parameter; under FSDP2 / HSDP, one FSDP module's parameters, stepped when the last of them
-has its reduced gradient (torch runs post-accumulate-grad hooks on the sharded parameters after the
+process, the parameters whose gradients became ready since the last unit, up to ``_BATCH_BYTES`` of
+gradients (same-shape matrices of a block are then whitened as one stack; the rest at the end of
+backward); under FSDP2 / HSDP, one FSDP module's parameters, stepped when the last of them has its
+reduced gradient (torch runs post-accumulate-grad hooks on the sharded parameters after the
 unit's reduce-scatter, and HSDP's all-reduce, in the same order on every rank), so every rank issues
 the unit's agreement and exchange in the same order, inside backward.
 
@@ -27,6 +29,8 @@ from torch import Tensor, nn
 from .adapter import adapter_for
 
 __all__ = ["InBackward", "check_in_backward"]
+
+_BATCH_BYTES = 16 << 20  # one process: gradients held before they are stepped together (a bound, per step)
 
 _REFUSED = {  # adapter name -> why no saving or no safe point, and what to do
     "replicated": "under DDP (or any replicated layout) every rank keeps every gradient in DDP's buckets until "
@@ -83,11 +87,16 @@ class InBackward:
         self.fired: list[set[int]] = [set() for _ in units]
         self.done: set[int] = set()
         self.armed = False
+        self.batch = not _distributed()  # one process: units (parameters) stepped in batches
+        self.queued: list[int] = []
+        self.queued_bytes = 0
         self.handles = [p.register_post_accumulate_grad_hook(self._hook) for unit in units for p in unit]
 
     def arm(self) -> None:
         self.armed = True
         self.done.clear()
+        self.queued.clear()
+        self.queued_bytes = 0
         for f in self.fired:
             f.clear()
 
@@ -103,16 +112,30 @@ class InBackward:
                 "zero_grad() around each backward, accumulate under FSDP2 with set_requires_gradient_sync(False), "
                 "or build SWAN with step_in_backward=False")
         self.fired[k].add(id(p))
-        if len(self.fired[k]) == self.expected[k]:
-            self._step_unit(k)
+        if len(self.fired[k]) < self.expected[k]:
+            return
+        if not self.batch:
+            self._step_units([k])
+            return
+        if not self.queued:  # the first of this backward: the rest are stepped when it ends
+            torch.autograd.Variable._execution_engine.queue_callback(self._flush)
+        self.queued.append(k)
+        self.queued_bytes += p.grad.numel() * p.grad.element_size()
+        if self.queued_bytes >= _BATCH_BYTES:
+            self._flush()
+
+    def _flush(self) -> None:
+        units, self.queued, self.queued_bytes = self.queued, [], 0
+        if units:
+            self._step_units(units)
 
     @torch.no_grad()
-    def _step_unit(self, k: int) -> None:
-        params = [p for p in self.units[k] if id(p) in self.fired[k]]
-        self.done.add(k)
+    def _step_units(self, ks: list[int]) -> None:
+        params = [p for k in ks for p in self.units[k] if id(p) in self.fired[k]]
+        self.done.update(ks)
         try:
             entries, failure = self.opt.collect_entries(params)
-            self.opt.step_entries(entries, failure, memo=("unit", k))
+            self.opt.step_entries(entries, failure, memo="backward" if self.batch else ("unit", ks[0]))
         finally:
             for p in params:
                 g = p.grad
@@ -129,9 +152,10 @@ class InBackward:
         try:
             if not self.armed:
                 return None
+            self._flush()
             for k, fired in enumerate(self.fired):
                 if fired and k not in self.done:
-                    self._step_unit(k)
+                    self._step_units([k])
             return [p for k, unit in enumerate(self.units) if k not in self.done for p in unit]
         finally:
             self.armed = False

@@ -87,8 +87,14 @@ def _compare(rank=0, world=1, layout="one", micro=1, ckpt=False):
     return err, early, early_want
 
 
-@pytest.mark.parametrize("ckpt", [False, True])
-def test_one_process_equals_the_ordinary_step(ckpt):
+@pytest.mark.parametrize("ckpt, batch_bytes", [(False, None), (True, None), (False, 1)])
+def test_one_process_equals_the_ordinary_step(ckpt, batch_bytes, monkeypatch):
+    """Stepped at the end of backward (the default bound holds this model's gradients) or one parameter
+    at a time, as each gradient is ready (a bound of one byte)."""
+    import swan_dist.in_backward
+
+    if batch_bytes is not None:
+        monkeypatch.setattr(swan_dist.in_backward, "_BATCH_BYTES", batch_bytes)
     err, early, early_want = _compare(ckpt=ckpt)
     assert err < 1e-6, err
     assert early == [(True, True)] * 3  # updated, gradients freed, before step()
@@ -207,9 +213,13 @@ def test_a_fault_inside_backward_is_every_ranks_error(layout, world):
 
 
 @pytest.mark.parametrize("nonfinite", ["skip", "raise"])
-def test_a_nonfinite_gradient_inside_backward(nonfinite):
+def test_a_nonfinite_gradient_inside_backward(nonfinite, monkeypatch):
     """skip: that parameter alone is left as it was (a warning names it); raise: FloatingPointError from
-    backward at the parameter where it is found, the parameters updated before it staying updated."""
+    backward at the unit where it is found, the units stepped before it staying updated (one parameter
+    per unit here: a batch bound of one byte)."""
+    import swan_dist.in_backward
+
+    monkeypatch.setattr(swan_dist.in_backward, "_BATCH_BYTES", 1)
     torch.manual_seed(0)
     model = Net()
     opt = SWAN(model, lr=0.02, verbose=False, step_in_backward=True, nonfinite=nonfinite)
