@@ -57,8 +57,8 @@ else:  # by its path: putting benchmarks/ on sys.path would shadow packages (ben
     _report = sys.modules["_report"] = importlib.util.module_from_spec(_spec)
     _spec.loader.exec_module(_report)
 
+from swan_dist.reference.config import load_config  # noqa: E402
 from swan_dist.reference.model import MODEL_SIZES  # noqa: E402
-from swan_dist.reference.train import load_config  # noqa: E402
 from swan_dist.reference.train import main as train_main  # noqa: E402
 
 

@@ -156,8 +156,8 @@ def _worker(rank: int, world: int, port: int, size: str, steps: int, out: str) -
     sync = torch.cuda.synchronize if cuda else (lambda: None)
 
     import swan_dist
+    from swan_dist.reference.baselines import adamw_kernel
     from swan_dist.reference.model import Llama, model_config
-    from swan_dist.reference.train import adamw_kernel
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 

@@ -174,7 +174,8 @@ def count_collectives(fn) -> Counter:
 def schedule(opt: torch.optim.Optimizer, steps: int) -> torch.optim.lr_scheduler.LambdaLR:
     """The reference trainer's schedule (``build_scheduler``: linear warm-up over 10 % of the steps, then
     cosine to 10 %), so that every measured step runs at another lr, as in a real run."""
-    from swan_dist.reference.train import TrainConfig, build_scheduler
+    from swan_dist.reference.config import TrainConfig
+    from swan_dist.reference.optim import build_scheduler
 
     return build_scheduler(TrainConfig(steps=steps + 4, warmup_ratio=0.1, min_lr_ratio=0.1), opt)
 

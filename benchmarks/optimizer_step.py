@@ -20,8 +20,8 @@ import torch
 
 import swan_dist
 from swan_dist.functional import cpu_has_native_bf16
+from swan_dist.reference.baselines import adamw_kernel
 from swan_dist.reference.model import Llama, model_config
-from swan_dist.reference.train import adamw_kernel
 
 from _report import write_section  # noqa: E402 (benchmarks/ is the script's folder)
 

@@ -14,7 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from swan_dist.reference.train import MuonWithAdamW, build_model, build_optimizer, build_scheduler, load_config, main
+from swan_dist.reference.baselines import MuonWithAdamW
+from swan_dist.reference.config import load_config
+from swan_dist.reference.loop import build_model
+from swan_dist.reference.optim import build_optimizer, build_scheduler
+from swan_dist.reference.train import main
 
 REPO = Path(__file__).resolve().parents[1]
 SMOKE = str(REPO / "configs" / "train" / "smoke.yaml")

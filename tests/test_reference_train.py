@@ -8,7 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from swan_dist.reference.train import build_optimizer, build_scheduler, load_config, main, weights_digest
+from swan_dist.reference.config import load_config
+from swan_dist.reference.optim import build_optimizer, build_scheduler
+from swan_dist.reference.outputs import weights_digest
+from swan_dist.reference.train import main
 
 REPO = Path(__file__).resolve().parents[1]
 SMOKE = str(REPO / "configs" / "train" / "smoke.yaml")

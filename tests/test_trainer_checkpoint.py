@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from swan_dist.reference.train import load_config, main
+from swan_dist.reference.config import load_config
+from swan_dist.reference.train import main
 
 REPO = Path(__file__).resolve().parents[1]
 SMOKE = str(REPO / "configs" / "train" / "smoke.yaml")

@@ -1,0 +1,200 @@
+"""The reference trainer's distributed setup: the process group and device (:func:`setup_distributed`),
+collectives that fall back to one process, and the parallel strategies that wrap the model
+(:func:`wrap_model`; DeepSpeed's engine is built with its optimizer, :func:`deepspeed_engine`).
+A new strategy is one more entry in :data:`PARALLEL`."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from .optim import build_scheduler
+
+if TYPE_CHECKING:
+    from .config import TrainConfig
+
+
+@dataclass
+class DistEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    owns_process_group: bool  # we initialised it, so we destroy it
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def setup_distributed(cfg: TrainConfig) -> DistEnv:
+    """Read the torchrun environment, pick the device and threads, and start the process group."""
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if world > 1 and cfg.parallel == "none":
+        raise ValueError(f"WORLD_SIZE={world} needs a parallel strategy; set parallel: ddp")
+    use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+    if use_cuda:
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+        if "OMP_NUM_THREADS" not in os.environ:  # share the cores between local ranks (torchrun sets 1)
+            local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+            torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // local_world))
+    owns = False
+    if cfg.parallel != "none" and not dist.is_initialized():
+        backend = cfg.backend if cfg.backend != "auto" else ("nccl" if use_cuda else "gloo")
+        timeout = datetime.timedelta(seconds=cfg.dist_timeout_s)
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+        shared_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        if "MASTER_ADDR" in os.environ and attempt is not None and shared_store:
+            # torchrun (c10d rendezvous) shares its TCPStore with the workers, and the keys of an earlier
+            # attempt (a rank's old gloo/NCCL address) are still there after a restart: this attempt's
+            # keys go under their own prefix (pytorch/pytorch#135712). The count is each agent's own: if
+            # agents restart for different reasons (several nodes) they disagree; there, start torchrun
+            # with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (a fresh store each attempt, no prefix needed).
+            store, _, _ = next(dist.rendezvous("env://", rank, world, timeout=timeout))
+            dist.init_process_group(backend, store=dist.PrefixStore(f"swan_dist/attempt_{attempt}", store),
+                                    rank=rank, world_size=world, timeout=timeout)  # fmt: skip
+        elif "MASTER_ADDR" in os.environ:
+            dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
+        else:  # plain `python -m ...` with parallel: ddp: a one-process group
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        owns = True
+    return DistEnv(rank, world, local_rank, device, owns)
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    if dist.is_initialized():
+        dist.all_reduce(t)
+    return t
+
+
+def all_reduce_max(value: float, env: DistEnv) -> float:
+    t = torch.tensor(value, dtype=torch.float64, device=env.device)
+    if dist.is_initialized():
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def _ddp(model: nn.Module, cfg: TrainConfig, env: DistEnv) -> nn.Module:
+    device_ids = [env.device.index] if env.device.type == "cuda" else None
+    return DistributedDataParallel(model, device_ids=device_ids, forward_sync_buffers=False)  # buffers are constants
+
+
+def _fsdp2(model: nn.Module, cfg: TrainConfig, env: DistEnv) -> nn.Module:
+    """FSDP2: each transformer block one shard group, the root (embeddings, norm, head) another."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(env.device.type, (env.world_size,))
+    for block in model.layers:
+        fully_shard(block, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def _fsdp1(model: nn.Module, cfg: TrainConfig, env: DistEnv) -> nn.Module:
+    """FSDP1, one FlatParameter per transformer block plus the root's; the optimizer gets the original
+    parameters' flat views (``fsdp1_use_orig_params: true``) or the FlatParameters themselves."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    from .model import TransformerBlock
+
+    return FSDP(model, auto_wrap_policy=ModuleWrapPolicy({TransformerBlock}),
+                use_orig_params=cfg.fsdp1_use_orig_params, device_id=env.device)
+
+
+# parallel strategy -> wrapper(model, cfg, env); DeepSpeed builds its engine with the optimizer (below).
+PARALLEL: dict[str, Callable[[nn.Module, TrainConfig, DistEnv], nn.Module]] = {
+    "none": lambda m, c, e: m, "ddp": _ddp, "fsdp2": _fsdp2, "fsdp1": _fsdp1, "deepspeed": lambda m, c, e: m,
+}
+
+
+def wrap_model(model: nn.Module, cfg: TrainConfig, env: DistEnv) -> nn.Module:
+    return PARALLEL[cfg.parallel](model, cfg, env)
+
+
+# Keys of the DeepSpeed JSON that the trainer's own config decides.
+_DS_FROM_TRAINER = {
+    "train_micro_batch_size_per_gpu": "batch_size", "gradient_accumulation_steps": "grad_accum",
+    "gradient_clipping": "grad_clip",
+}
+
+
+def deepspeed_json(cfg: TrainConfig) -> dict[str, Any]:
+    """The DeepSpeed config for ``cfg``: the JSON file, with batch size, accumulation, clipping and bf16
+    from the trainer's keys, and the optimizer block filled from the trainer's where the JSON leaves
+    keys out. A JSON value that contradicts the trainer's is an error naming both keys."""
+    path = Path(cfg.deepspeed_config)
+    if not path.exists():
+        raise ValueError(f"config deepspeed_config: {path} does not exist")
+    try:
+        ds = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"config deepspeed_config: {path} is not valid JSON: {e}") from None
+    for key, trainer_key in _DS_FROM_TRAINER.items():
+        if key in ds and ds[key] != getattr(cfg, trainer_key):
+            raise ValueError(f"{path}: {key}={ds[key]!r} contradicts the trainer's {trainer_key}={getattr(cfg, trainer_key)!r}")
+        ds[key] = getattr(cfg, trainer_key)
+    bf16 = ds.setdefault("bf16", {})
+    if bf16.setdefault("enabled", cfg.dtype == "bfloat16") != (cfg.dtype == "bfloat16"):
+        raise ValueError(f"{path}: bf16.enabled={bf16['enabled']!r} contradicts the trainer's dtype={cfg.dtype!r}")
+    opt = ds.setdefault("optimizer", {"type": "SWAN" if cfg.optimizer == "swan" else "AdamW"})
+    if str(opt.get("type", "")).lower() != cfg.optimizer:
+        raise ValueError(f"{path}: optimizer.type={opt.get('type')!r} but the trainer's optimizer={cfg.optimizer!r}")
+    params = opt.setdefault("params", {})
+    if cfg.optimizer == "swan":
+        filled = {"preset": cfg.preset, "lr": cfg.lr, "weight_decay": cfg.weight_decay, "fallback": cfg.fallback,
+                  "mode": cfg.swan_mode, "bucket_mb": cfg.bucket_mb, **cfg.swan_options}
+    else:
+        filled = {"lr": cfg.lr if cfg.lr is not None else 1e-3, "betas": [0.9, 0.95], "weight_decay": cfg.weight_decay}
+    for key, value in filled.items():
+        if value is not None:
+            params.setdefault(key, value)
+    ds.setdefault("steps_per_print", 10**9)
+    return ds
+
+
+def deepspeed_engine(model: nn.Module, cfg: TrainConfig):
+    """``deepspeed.initialize`` with :func:`deepspeed_json`: the engine builds the optimizer from the
+    JSON's ``"type"`` (``SWAN`` resolves through ``import swan_dist``) and steps our lr schedule."""
+    import deepspeed
+
+    import swan_dist  # noqa: F401 - registers "SWAN"; SWAN tags the engine's model (names, module types)
+
+    engine, optimizer, _, scheduler = deepspeed.initialize(
+        model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
+        config=deepspeed_json(cfg), lr_scheduler=lambda opt: build_scheduler(cfg, opt),
+    )
+    return engine, optimizer, scheduler
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's full (unsharded) state dict; a collective under FSDP1/FSDP2, so every rank calls it
+    (FSDP1's root wrapper gathers full tensors by default; FSDP2 returns DTensors, gathered here)."""
+    from torch.distributed.tensor import DTensor
+
+    params = list(model.parameters())
+    if any(hasattr(p, "ds_id") for p in params):  # DeepSpeed ZeRO-3 partitions: gather them
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(params):
+            return {k: v.clone() for k, v in model.state_dict().items()}
+    return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in model.state_dict().items()}
