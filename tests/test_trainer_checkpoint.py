@@ -169,3 +169,26 @@ def test_surviving_rank_fails_instead_of_hanging(tmp_path):
     assert procs[1].returncode == -9, outs[1][-2000:]
     assert procs[0].returncode not in (0, None), outs[0][-2000:]
     assert time.monotonic() - start < 100
+
+
+@pytest.mark.timeout(120)
+def test_step_in_backward_resumes_bit_identically_and_refuses_clipping(tmp_path):
+    """--set step_in_backward=true (updates made during backward, grad_clip=0): a run resumed from its
+    step_3 checkpoint ends with the uninterrupted run's weights and metric rows bit for bit, and lands
+    where the ordinary step does; with grad_clip > 0, another parallel layout or optimizer it is refused
+    naming the key."""
+    a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
+    sib = [*SINGLE, "steps=6", "grad_clip=0", "step_in_backward=true"]
+    sa = main(["--config", SMOKE, "--set", f"out_dir={a}", *sib])
+    (b / "checkpoints").mkdir(parents=True)
+    shutil.copytree(a / "checkpoints" / "step_3", b / "checkpoints" / "step_3")
+    sb = main(["--config", SMOKE, "--set", f"out_dir={b}", *sib])
+    _same_weights(a, b)
+    assert _rows(a) == _rows(b) and sb["final_val_loss"] == sa["final_val_loss"]
+    main(["--config", SMOKE, "--set", f"out_dir={c}", *SINGLE, "steps=6", "grad_clip=0"])  # the ordinary step
+    wa, wc = torch.load(a / "model.pt"), torch.load(c / "model.pt")
+    assert max((wa[k] - wc[k]).abs().max().item() for k in wa) < 1e-5
+    for bad, words in [("grad_clip=1.0", "grad_clip"), ("parallel=ddp", "parallel='ddp'"),
+                       ("optimizer=adamw", "optimizer='adamw'")]:
+        with pytest.raises(ValueError, match=words):
+            load_config(SMOKE, ["optimizer=swan", "step_in_backward=true", "grad_clip=0", bad])

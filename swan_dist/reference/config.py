@@ -47,6 +47,7 @@ class TrainConfig:
     swan_mode: str = "auto"  # SWAN engine: auto (owner when world > 1) | owner | replicated | local
     bucket_mb: float = 256.0  # SWAN engine: full fp32 matrices one owner assembles per bucket
     swan_options: dict[str, Any] = field(default_factory=dict)  # more swan_dist.SWAN keyword arguments
+    step_in_backward: bool = False  # SWAN updates each parameter during backward, gradients freed (none, fsdp2)
     backend: str = "auto"  # auto | gloo | nccl
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "float32"  # float32 | bfloat16 (autocast)
@@ -91,10 +92,29 @@ class TrainConfig:
             raise ValueError(f"config optimizer=muon (the torch.optim.Muon baseline) needs whole matrices on every "
                              f"rank: parallel={self.parallel!r} hands the optimizer shards (FSDP) or builds its own "
                              f"(DeepSpeed); use parallel in {list(MUON_PARALLEL)}, or optimizer=swan")
+        if self.step_in_backward:
+            self._check_in_backward()
         if (self.parallel == "deepspeed") != (self.deepspeed_config is not None):
             raise ValueError("config deepspeed_config is required with parallel: deepspeed, and only then")
         if self.deepspeed_config is not None:
             deepspeed_json(self)  # the file exists, parses, and agrees with the trainer's keys
+
+
+    def _check_in_backward(self) -> None:
+        """``step_in_backward``: SWAN only, one process or FSDP2, no global-norm clipping."""
+        if self.optimizer != "swan":
+            raise ValueError(f"config step_in_backward=true is SWAN's (optimizer=swan), not optimizer={self.optimizer!r}")
+        if self.parallel not in ("none", "fsdp2"):
+            raise ValueError(f"config step_in_backward=true runs in one process or under FSDP2, not parallel="
+                             f"{self.parallel!r} (its gradients are kept or reduced whole until the step): use "
+                             "parallel=fsdp2, or step_in_backward=false")
+        if self.grad_clip > 0:
+            raise ValueError(f"config step_in_backward=true updates each parameter during backward, so grad_clip="
+                             f"{self.grad_clip:g} would clip no gradient (global-norm clipping needs every gradient "
+                             "at once): set grad_clip=0, or step_in_backward=false")
+        if self.grad_accum > 1 and self.parallel == "none":
+            raise ValueError("config step_in_backward=true with grad_accum > 1 needs parallel=fsdp2 (one process "
+                             "updates at every backward): set grad_accum=1, or step_in_backward=false")
 
 
 def _set_key(tree: dict[str, Any], dotted: str, value: Any) -> None:

@@ -21,10 +21,12 @@ def build_optimizer(cfg: TrainConfig, model: nn.Module) -> torch.optim.Optimizer
     if cfg.optimizer == "swan":
         import swan_dist
 
-        groups = swan_dist.param_groups(model, fallback=cfg.fallback)
+        # in backward, SWAN needs the model (its FSDP modules are the units it steps)
+        groups = model if cfg.step_in_backward else swan_dist.param_groups(model, fallback=cfg.fallback)
+        extra = {"fallback": cfg.fallback, "step_in_backward": True} if cfg.step_in_backward else {}
         try:
             return swan_dist.SWAN(groups, preset=cfg.preset, lr=cfg.lr, weight_decay=cfg.weight_decay,
-                                  mode=cfg.swan_mode, bucket_mb=cfg.bucket_mb, **cfg.swan_options)
+                                  mode=cfg.swan_mode, bucket_mb=cfg.bucket_mb, **extra, **cfg.swan_options)
         except TypeError as e:
             raise ValueError(f"config swan_options {sorted(cfg.swan_options)}: {e}") from None
     lr = cfg.lr if cfg.lr is not None else 1e-3
