@@ -371,8 +371,8 @@ def report(results: list[dict], args) -> str:
     if args.skip_pairs:
         why = []
         for s, o in args.skip_pairs:
-            ran = [f"`{r['size']}` {r['step_s']:.0f} s" for r in results if r["optimizer"] == o]
-            why.append(f"{OPTIMIZERS[o]} at `{s}`" + (f" (its step took {', '.join(ran)} here)" if ran else ""))
+            ran = [f"{r['step_s']:.0f} s at `{r['size']}`" for r in results if r["optimizer"] == o]
+            why.append(f"{OPTIMIZERS[o]} at `{s}`" + (f" (one step of it took {', '.join(ran)} on this CPU)" if ran else ""))
         lines += ["", "Not run (`--skip`): " + "; ".join(why) + "."]
     lines += _reading(results)
     return "\n".join(lines)
