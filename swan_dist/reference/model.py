@@ -46,6 +46,9 @@ MODEL_SIZES: dict[str, dict[str, int]] = {
     "small": dict(dim=384, n_layers=8, n_heads=6),  # ~20M params
     "60m": dict(dim=512, n_layers=8, n_heads=8, ffn_dim=1376),
     "130m": dict(dim=768, n_layers=12, n_heads=12, ffn_dim=2048),
+    # the papers' 350M and 1.3B (their counts with the papers' 32k vocabulary; benchmarks/memory.py)
+    "350m": dict(dim=1024, n_layers=24, n_heads=16, ffn_dim=2736),
+    "1b3": dict(dim=2048, n_layers=24, n_heads=32, ffn_dim=5461),
 }
 
 

@@ -1,0 +1,432 @@
+"""Peak memory of a whole training step (forward, backward, ``optimizer.step()``, ``zero_grad``), one
+process on the CPU, per optimizer, on the same model and data: SWAN's reason to exist (the paper, Fig. 1(c):
+about half of Adam's end-to-end memory at batch 1).
+
+Optimizers (``--optimizers``): torch's AdamW (``foreach=True``); SWAN‡ (``preset="swan_ddagger"``, AdamW
+fallback on embeddings, head and norms); SWAN‡ with ``fallback="sign"`` (no optimizer state at all);
+torch's Muon on the 2-D hidden matrices with torch's AdamW (foreach) on the rest, stepped together; plain
+SGD (no state: the floor); and torch's fused AdamW (``adamw_fused``, what the reference trainer and SWAN's
+own AdamW fallback run on CPU tensors: no scratch copy).
+
+Model: the reference LLaMA (``swan_dist.reference.model``) at the papers' 350M and 1.3B shapes (32k
+vocabulary) or a reference size (``small``: 8k vocabulary), bf16 weights (no fp32 master copy, no autocast),
+batch 1 x ``--seq`` tokens, ``--warmup`` steps, then ``--steps`` measured steps.
+
+Each (size, optimizer) runs in a fresh subprocess, one after another, which measures two peaks:
+
+1. **resident memory**: the model is built on ``meta`` and materialised (``to_empty``, then initialised in
+   place) so that no construction transient counts; after the warm-up, glibc's ``malloc_trim(0)`` and ``5``
+   written to ``/proc/self/clear_refs`` (the high-water mark reset to the current RSS) just before the
+   measured steps; ``VmHWM`` of ``/proc/self/status`` read after them, minus the process's RSS before the
+   model was built (torch imported: the baseline).
+2. **live tensor bytes by category**: then ``--tracked-steps`` more steps under torch's
+   ``torch.distributed._tools.mem_tracker.MemTracker`` (model and optimizers registered with
+   ``track_external``), its peak snapshot per category, and its current snapshot after the step (the
+   optimizer state kept between steps).
+
+Writes the ``memory-cpu`` section of docs/benchmarks.md and docs/results/memory-cpu.json.
+
+    python benchmarks/memory.py --sizes small --no-write     # quick check, under a minute
+    python benchmarks/memory.py --sizes 350m,1b3 --skip 1b3:muon
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import gc
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+from _report import write_section  # noqa: E402 (benchmarks/ is the script's folder)
+
+OPTIMIZERS = {
+    "adamw": "AdamW (foreach)",
+    "swan_ddagger": "SWAN‡",
+    "swan_ddagger+sign": "SWAN‡ + sign fallback",
+    "muon": "Muon + AdamW",
+    "sgd": "SGD",
+    "adamw_fused": "AdamW (fused)",
+}
+DEFAULT_OPTIMIZERS = "adamw,adamw_fused,swan_ddagger,swan_ddagger+sign,muon,sgd"
+PAPER_VOCAB = 32000  # the papers' LLaMA tokenizer; reference sizes below 350m keep the repo's 8k BPE
+PAPER_SIZES = {"350m": "LLaMA 350M", "1b3": "LLaMA 1.3B"}
+CATEGORIES = ("Parameter", "Gradient", "Activation", "Optstate", "Temp", "Buffer", "Other")
+MiB = 2**20
+
+
+# ---------------------------------------------------------------------------------------------- child
+def _status() -> dict[str, int]:
+    """VmRSS and VmHWM of this process, in bytes."""
+    out = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(("VmRSS:", "VmHWM:")):
+                key, value = line.split(":", 1)
+                out[key] = int(value.split()[0]) * 1024  # kB
+    return out
+
+
+_LIBC = ctypes.CDLL("libc.so.6")
+
+
+def _settle() -> None:
+    """Drop what Python and glibc still hold of freed memory, so the RSS is what is live."""
+    gc.collect()
+    _LIBC.malloc_trim(0)
+
+
+def _reset_hwm() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM to the current RSS (Linux >= 4.0)
+
+
+def _vocab(size: str) -> int:
+    return PAPER_VOCAB if size in PAPER_SIZES else 8192
+
+
+def _build(size: str):
+    """The reference LLaMA of ``size`` in bf16, built on ``meta`` and materialised on the CPU in place:
+    no fp32 copy and no second copy of any weight is ever made."""
+    from swan_dist.reference.model import Llama, model_config, rope_tables
+
+    cfg = model_config(size, vocab_size=_vocab(size))
+    with torch.device("meta"):
+        model = Llama(cfg).to(torch.bfloat16)
+    model.to_empty(device="cpu")
+    cos, sin = rope_tables(cfg.dim // cfg.n_heads, cfg.max_seq_len)
+    model.rope_cos, model.rope_sin = cos, sin  # the constant tables, fp32 as the model keeps them
+    torch.manual_seed(0)
+    model.reset_parameters()
+    return model, cfg
+
+
+def _optimizers(name: str, model) -> list[torch.optim.Optimizer]:
+    import swan_dist
+
+    if name == "adamw":
+        return [torch.optim.AdamW(model.parameters(), lr=3e-4, foreach=True)]
+    if name == "adamw_fused":
+        return [torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True)]
+    if name == "swan_ddagger":
+        return [swan_dist.SWAN(model, preset="swan_ddagger", verbose=False)]
+    if name == "swan_ddagger+sign":
+        return [swan_dist.SWAN(model, preset="swan_ddagger", fallback="sign", verbose=False)]
+    if name == "muon":  # Muon on the hidden matrices, AdamW on embeddings, head and norms
+        hidden, rest = [], []
+        for n, p in model.named_parameters():
+            (hidden if p.dim() == 2 and not n.startswith(("tok_embeddings", "output")) else rest).append(p)
+        return [torch.optim.Muon(hidden, lr=0.02), torch.optim.AdamW(rest, lr=3e-4, foreach=True)]
+    if name == "sgd":
+        return [torch.optim.SGD(model.parameters(), lr=1e-3, foreach=True)]
+    raise ValueError(f"unknown optimizer {name!r}; choose from {sorted(OPTIMIZERS)}")
+
+
+def _by_value(snapshot: dict) -> dict[str, int]:
+    """MemTracker's snapshot of the CPU, keyed by category name ("Parameter", ..., "Total")."""
+    dev = snapshot.get(torch.device("cpu"), {})
+    return {getattr(k, "value", k): int(v) for k, v in dev.items()}
+
+
+def _module_peaks(tracker, model) -> dict[str, dict[str, int]]:
+    """The model's own peak snapshots in forward and backward (by category), from MemTracker's
+    module-wise snapshots."""
+    stats = tracker.memory_tracking.get(model)
+    out = {}
+    if stats is None:
+        return out
+    for state, snaps in stats.snapshots.items():
+        name = getattr(state, "value", str(state))
+        if name in ("Peak-Forward", "Peak-Backward") and snaps:
+            out[name] = max((_by_value(s) for s in snaps), key=lambda d: d.get("Total", 0))
+    return out
+
+
+def child(size: str, name: str, args) -> dict:
+    _settle()
+    baseline = _status()["VmRSS"]
+    t_build = time.perf_counter()
+    model, cfg = _build(size)
+    opts = _optimizers(name, model)
+    n_params = sum(p.numel() for p in model.parameters())
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, cfg.vocab_size, (1, args.seq + 1), generator=g)
+    x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+    def step() -> None:
+        loss = model(x, y)[1]  # the logits are dropped at once; the graph frees what it saved in backward
+        loss.backward()
+        for o in opts:
+            o.step()
+        for o in opts:
+            o.zero_grad(set_to_none=True)
+
+    for _ in range(args.warmup):
+        step()
+    build_s = time.perf_counter() - t_build
+    _settle()
+    before = _status()["VmRSS"]
+    _reset_hwm()
+    times = []
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    hwm = _status()["VmHWM"]
+    out = {"size": size, "optimizer": name, "params": n_params, "baseline_rss": baseline,
+           "resident_between_steps": before - baseline, "peak_rss": hwm - baseline,
+           "step_s": statistics.median(times), "build_warmup_s": build_s}
+
+    if not args.rss_only:
+        from torch.distributed._tools.mem_tracker import MemTracker
+
+        tracker = MemTracker()
+        tracker.track_external(model, *opts)
+        fw_bw: dict[str, dict[str, int]] = {}
+        t0 = time.perf_counter()
+        with tracker:
+            for _ in range(args.tracked_steps):
+                step()
+                for k, v in _module_peaks(tracker, model).items():
+                    if v.get("Total", 0) > fw_bw.get(k, {}).get("Total", -1):
+                        fw_bw[k] = v
+                tracker.reset_mod_stats()  # MemTracker takes one forward of the root per iteration
+        out.update(tracked_s=(time.perf_counter() - t0) / args.tracked_steps,
+                   peak=_by_value(tracker.get_tracker_snapshot("peak")),
+                   after=_by_value(tracker.get_tracker_snapshot("current")), module_peaks=fw_bw)
+    return out
+
+
+# --------------------------------------------------------------------------------------------- parent
+def _run_child(size: str, name: str, args) -> dict:
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "result.json")
+        cmd = [sys.executable, os.path.abspath(__file__), "--child", f"{size}:{name}", "--child-out", path,
+               "--seq", str(args.seq), "--steps", str(args.steps), "--warmup", str(args.warmup),
+               "--tracked-steps", str(args.tracked_steps)] + (["--rss-only"] if size in args.rss_only_sizes else [])
+        t0 = time.perf_counter()
+        subprocess.run(cmd, check=True)
+        with open(path) as f:
+            result = json.load(f)
+        result["wall_s"] = time.perf_counter() - t0
+        return result
+
+
+def _mib(b: float | None) -> str:
+    return "-" if b is None else f"{b / MiB:,.0f}"
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    return "-" if a is None or not b else f"{a / b:.2f}"
+
+
+def _phase(r: dict) -> str:
+    """Where MemTracker's peak fell: the model's forward or backward (its module-wise peaks reach the
+    global one), else the optimizer step (outside the model's forward and backward)."""
+    total, mods = r["peak"].get("Total", 0), r.get("module_peaks", {})
+    if mods.get("Peak-Backward", {}).get("Total", -1) >= total:
+        return "backward"
+    if mods.get("Peak-Forward", {}).get("Total", -1) >= total:
+        return "forward"
+    return "step"
+
+
+def _fwbw(r: dict) -> int | None:
+    mods = r.get("module_peaks", {})
+    return max(m.get("Total", 0) for m in mods.values()) if mods else None
+
+
+def _reading(results: list[dict]) -> list[str]:
+    """One paragraph reading the largest size measured with MemTracker, its figures filled in."""
+    tracked = [r for r in results if "peak" in r]
+    if not tracked:
+        return []
+    size = tracked[-1]["size"]
+    rows = {r["optimizer"]: r for r in tracked if r["size"] == size}
+    adam, swan, sign = rows.get("adamw"), rows.get("swan_ddagger"), rows.get("swan_ddagger+sign")
+    fused = rows.get("adamw_fused")
+    if not (adam and swan):
+        return []
+
+    def cat(r: dict, key: str) -> int:
+        return r["peak"].get(key, 0)
+
+    def kept(r: dict) -> int:
+        return r["after"].get("Optstate", 0)
+
+    def transient(r: dict) -> int:
+        return max(0, cat(r, "Optstate") - kept(r))
+
+    pg = cat(swan, "Parameter") + cat(swan, "Gradient")
+    act = max(snap.get("Activation", 0) for r in rows.values() for snap in r.get("module_peaks", {}).values())
+    where = {_phase(adam), _phase(swan)}
+    text = (
+        f"Reading, at `{size}`: at batch 1 parameters and gradients ({_mib(pg)} MiB) are "
+        f"{pg / swan['peak']['Total']:.0%} of SWAN‡'s tensor peak and {pg / adam['peak']['Total']:.0%} of AdamW's; "
+        f"activations reach at most {_mib(act)} MiB (in forward/backward)"
+        + (", all freed before `step()`, where AdamW and SWAN‡ peak. " if where == {"step"} else
+           f"; AdamW peaks in {_phase(adam)}, SWAN‡ in {_phase(swan)}. ")
+        + f"AdamW adds its two moments ({_mib(kept(adam))} MiB) and, inside `step()`, the foreach kernel's "
+        f"scratch ({_mib(transient(adam))} MiB: `_foreach_sqrt(exp_avg_sq)` is one more copy of the parameters)"
+        + (f"; torch's fused AdamW makes no such copy (step transient at its peak {_mib(transient(fused))} MiB, "
+           f"peak in {_phase(fused)}), and SWAN‡'s tensor peak is "
+           f"{swan['peak']['Total'] / fused['peak']['Total']:.2f} of its. " if fused else ". ")
+        + f"SWAN‡ keeps only its AdamW fallback's moments (embeddings, head, norms: {_mib(kept(swan))} MiB); its "
+        f"whitening shows as {_mib(transient(swan))} MiB of step transient: one stack of same-shape matrices at a "
+        "time (at most 16 MiB of fp32 gradients on the CPU, or one matrix where a matrix is larger), live at once "
+        "the copy `torch.stack` makes of the gradients, the Gram, the bf16 product and its fp32 copy: bounded by "
+        "a stack, not by the model."
+    )
+    if sign:
+        text += f" With the sign fallback SWAN‡ keeps no state; its step transient is {_mib(transient(sign))} MiB"
+        text += (", more than with the AdamW fallback: `torch._foreach_sign` writes the signs of every fallback "
+                 "gradient (embeddings and head) at once, where the fused AdamW kernel writes nothing new."
+                 if transient(sign) > transient(swan) else ".")
+    text += (
+        " The resident peaks run above the tensor peaks: between steps the RSS exceeds parameters + state by "
+        "the code and threads the first step faulted in, and at the peak glibc also holds pages of freed "
+        "tensors (chunks below its mmap threshold stay in its heap)."
+    )
+    return ["", text]
+
+
+def report(results: list[dict], args) -> str:
+    threads = torch.get_num_threads()
+    sizes = list(dict.fromkeys(r["size"] for r in results))
+    desc = []
+    for s in sizes:
+        n = next(r["params"] for r in results if r["size"] == s)
+        label = PAPER_SIZES.get(s, f"reference `{s}`")
+        desc.append(f"{label} (`{s}`, {n / 1e6:,.1f}M parameters, vocab {_vocab(s):,})")
+    lines = [
+        f"{'; '.join(desc)}; bf16 weights (no fp32 master copy, no autocast), batch 1 x {args.seq} tokens, one "
+        f"process on the CPU ({platform.machine()}, {threads} threads), torch {torch.__version__}. Per optimizer a "
+        f"fresh subprocess, one after another: {args.warmup} warm-up steps, then {args.steps} measured step(s) "
+        "(forward, backward, `step()`, `zero_grad()`), then "
+        + (f"{args.tracked_steps} under MemTracker." if len(args.rss_only_sizes) < len(sizes) else "none under MemTracker.")
+        + " MiB = 2^20 bytes. AdamW and the AdamW of Muon + AdamW: torch's, `foreach=True`; SWAN‡'s AdamW "
+        "fallback: torch's fused kernel (what SWAN runs on CPU tensors).",
+        "",
+        "**Peak per step.** *resident*: peak RSS (`VmHWM`, reset with `/proc/self/clear_refs` after `malloc_trim(0)` "
+        "just before the measured steps) above the process's RSS before the model was built (torch imported); "
+        "*between steps*: RSS above that baseline just before the measured steps (parameters and optimizer state; "
+        "the gradients are freed by `zero_grad`); *tensors*: MemTracker's peak of live tensor bytes over the whole "
+        "step; *fw/bw*: the model's own peak in forward and backward (MemTracker's module-wise snapshots). "
+        "Ratios: each optimizer's peak over AdamW's at the same size (the paper's Fig. 1(c): SWAN's end-to-end "
+        "memory about half of Adam's).",
+        "",
+        "| model | optimizer | resident peak (MiB) | vs AdamW | between steps (MiB) | tensors peak (MiB) | vs AdamW "
+        "| fw/bw peak (MiB) |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    base = {s: next((r for r in results if r["size"] == s and r["optimizer"] == "adamw"), None) for s in sizes}
+    for r in results:
+        b = base[r["size"]]
+        tot = r.get("peak", {}).get("Total")
+        btot = b.get("peak", {}).get("Total") if b else None
+        lines.append(
+            f"| {r['size']} | {OPTIMIZERS[r['optimizer']]} | {_mib(r['peak_rss'])} | "
+            f"{_ratio(r['peak_rss'], b['peak_rss'] if b else None)} | {_mib(r['resident_between_steps'])} | "
+            f"{_mib(tot)} | {_ratio(tot, btot)} | {_mib(_fwbw(r))} |")
+    tracked = [r for r in results if "peak" in r]
+    if tracked:
+        lines += [
+            "",
+            "**Live tensor bytes by category at MemTracker's peak** (MiB). *state*: the optimizer tensors still "
+            "live after the step (MemTracker's current snapshot between steps); *step transient*: the rest of "
+            "MemTracker's optimizer category at the peak (MemTracker counts every tensor allocated inside "
+            "`optimizer.step()` as optimizer state, so the step's scratch tensors, SWAN's whitening included, "
+            "land there, not under temporaries; the split is these two snapshots' difference); *temporaries*: "
+            "MemTracker's `Temp`, what backward allocates besides parameter gradients (a gradient is `Temp` until "
+            "its hook files it under gradients); *other*: buffers (the rotary tables; no loose tensors are "
+            "registered, so MemTracker's `Other` stays empty, and the token ids, made before, are not tracked). *at*: where the peak fell (forward / backward: the model's module-wise peak "
+            "reached it; step: outside both, in `optimizer.step()`).",
+            "",
+            "| model | optimizer | parameters | gradients | activations | state | step transient | temporaries "
+            "| other | total peak | vs AdamW | at |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        ]
+        for r in tracked:
+            p, after = r["peak"], r["after"]
+            kept = after.get("Optstate", 0)
+            transient = max(0, p.get("Optstate", 0) - kept)
+            other = p.get("Buffer", 0) + p.get("Other", 0)
+            b = base[r["size"]]
+            btot = b.get("peak", {}).get("Total") if b else None
+            lines.append(
+                f"| {r['size']} | {OPTIMIZERS[r['optimizer']]} | {_mib(p.get('Parameter', 0))} | "
+                f"{_mib(p.get('Gradient', 0))} | {_mib(p.get('Activation', 0))} | {_mib(kept)} | "
+                f"{_mib(transient)} | {_mib(p.get('Temp', 0))} | {_mib(other)} | {_mib(p.get('Total'))} | "
+                f"{_ratio(p.get('Total'), btot)} | {_phase(r)} |")
+    if args.rss_only_sizes:
+        lines += ["", f"Resident memory only (no MemTracker run) at: {', '.join(args.rss_only_sizes)}."]
+    if args.skip_pairs:
+        why = []
+        for s, o in args.skip_pairs:
+            ran = [f"{r['step_s']:.0f} s at `{r['size']}`" for r in results if r["optimizer"] == o]
+            why.append(f"{OPTIMIZERS[o]} at `{s}`" + (f" (one step of it took {', '.join(ran)} on this CPU)" if ran else ""))
+        lines += ["", "Not run (`--skip`): " + "; ".join(why) + "."]
+    lines += _reading(results)
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", default="350m,1b3", help="comma list of reference model sizes (350m, 1b3, small, ...)")
+    ap.add_argument("--optimizers", default=DEFAULT_OPTIMIZERS, help=f"comma list of {', '.join(OPTIMIZERS)}")
+    ap.add_argument("--steps", type=int, default=1, help="measured steps (resident peak; every step allocates alike)")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--tracked-steps", type=int, default=1, help="steps under MemTracker after the measured ones")
+    ap.add_argument("--seq", type=int, default=256, help="tokens per sequence (batch 1)")
+    ap.add_argument("--rss-only", default="", help="comma list of sizes measured without MemTracker")
+    ap.add_argument("--skip", default="", help="comma list of SIZE:OPTIMIZER pairs not to run (too slow here)")
+    ap.add_argument("--no-write", action="store_true", help="print only, do not update docs/benchmarks.md")
+    ap.add_argument("--child", help=argparse.SUPPRESS)  # SIZE:OPTIMIZER, measured in this process
+    ap.add_argument("--child-out", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        size, name = args.child.split(":", 1)
+        result = child(size, name, args)
+        with open(args.child_out, "w") as f:
+            json.dump(result, f)
+        return
+    if not sys.platform.startswith("linux"):
+        raise SystemExit("benchmarks/memory.py reads /proc/self and calls glibc's malloc_trim: Linux only")
+    sizes = [s for s in args.sizes.split(",") if s]
+    names = [n for n in args.optimizers.split(",") if n]
+    unknown = [n for n in names if n not in OPTIMIZERS]
+    if unknown:
+        ap.error(f"unknown optimizer(s) {unknown}; choose from {list(OPTIMIZERS)}")
+    args.rss_only_sizes = [s for s in args.rss_only.split(",") if s]
+    args.skip_pairs = [tuple(p.split(":", 1)) for p in args.skip.split(",") if p]
+    bad = [p for p in args.skip_pairs if len(p) != 2 or p[1] not in OPTIMIZERS]
+    if bad:
+        ap.error(f"--skip takes SIZE:OPTIMIZER pairs, got {bad}")
+    t0 = time.perf_counter()
+    results = []
+    for size in sizes:
+        for name in names:
+            if (size, name) in args.skip_pairs:
+                continue
+            r = _run_child(size, name, args)
+            results.append(r)
+            print(f"[{size} {name}] resident peak {_mib(r['peak_rss'])} MiB, tensors peak "
+                  f"{_mib(r.get('peak', {}).get('Total'))} MiB, step {r['step_s']:.1f} s, "
+                  f"subprocess {r['wall_s']:.0f} s", file=sys.stderr, flush=True)
+    text = report(results, args)
+    print(text)
+    print(f"\n(total {time.perf_counter() - t0:.0f} s)", file=sys.stderr)
+    if not args.no_write:
+        write_section("memory-cpu", "Memory (CPU): peak per step by category, single process", text)
+
+
+if __name__ == "__main__":
+    main()
