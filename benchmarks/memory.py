@@ -5,8 +5,9 @@ about half of Adam's end-to-end memory at batch 1).
 Optimizers (``--optimizers``): torch's AdamW (``foreach=True``); SWAN‡ (``preset="swan_ddagger"``, AdamW
 fallback on embeddings, head and norms); SWAN‡ with ``fallback="sign"`` (no optimizer state at all);
 torch's Muon on the 2-D hidden matrices with torch's AdamW (foreach) on the rest, stepped together; plain
-SGD (no state: the floor); and torch's fused AdamW (``adamw_fused``, what the reference trainer and SWAN's
-own AdamW fallback run on CPU tensors: no scratch copy).
+SGD (no state: the floor); torch's fused AdamW (``adamw_fused``, what the reference trainer and SWAN's
+own AdamW fallback run on CPU tensors: no scratch copy); and both SWAN‡ rows with ``step_in_backward=True``
+(``@backward``: each parameter updated during backward and its gradient freed).
 
 Model: the reference LLaMA (``swan_dist.reference.model``) at the papers' 350M and 1.3B shapes (32k
 vocabulary) or a reference size (``small``: 8k vocabulary), bf16 weights (no fp32 master copy, no autocast),
@@ -52,11 +53,14 @@ OPTIMIZERS = {
     "adamw": "AdamW (foreach)",
     "swan_ddagger": "SWAN‡",
     "swan_ddagger+sign": "SWAN‡ + sign fallback",
+    "swan_ddagger@backward": "SWAN‡, updates in backward",
+    "swan_ddagger+sign@backward": "SWAN‡ + sign, updates in backward",
     "muon": "Muon + AdamW",
     "sgd": "SGD",
     "adamw_fused": "AdamW (fused)",
 }
-DEFAULT_OPTIMIZERS = "adamw,adamw_fused,swan_ddagger,swan_ddagger+sign,muon,sgd"
+DEFAULT_OPTIMIZERS = ("adamw,adamw_fused,swan_ddagger,swan_ddagger+sign,swan_ddagger@backward,"
+                      "swan_ddagger+sign@backward,muon,sgd")
 PAPER_VOCAB = 32000  # the papers' LLaMA tokenizer; reference sizes below 350m keep the repo's 8k BPE
 PAPER_SIZES = {"350m": "LLaMA 350M", "1b3": "LLaMA 1.3B"}
 CATEGORIES = ("Parameter", "Gradient", "Activation", "Optstate", "Temp", "Buffer", "Other")
@@ -116,10 +120,10 @@ def _optimizers(name: str, model) -> list[torch.optim.Optimizer]:
         return [torch.optim.AdamW(model.parameters(), lr=3e-4, foreach=True)]
     if name == "adamw_fused":
         return [torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True)]
-    if name == "swan_ddagger":
-        return [swan_dist.SWAN(model, preset="swan_ddagger", verbose=False)]
-    if name == "swan_ddagger+sign":
-        return [swan_dist.SWAN(model, preset="swan_ddagger", fallback="sign", verbose=False)]
+    if name.startswith("swan_ddagger"):  # @backward: step_in_backward (armed by zero_grad after a step)
+        extra = {"fallback": "sign"} if "+sign" in name else {}
+        return [swan_dist.SWAN(model, preset="swan_ddagger", verbose=False,
+                               step_in_backward=name.endswith("@backward"), **extra)]
     if name == "muon":  # Muon on the hidden matrices, AdamW on embeddings, head and norms
         hidden, rest = [], []
         for n, p in model.named_parameters():
