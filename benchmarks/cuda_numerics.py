@@ -9,7 +9,11 @@ the same gradients:
    (bf16 for NSDS on CUDA, fp32 otherwise): max |Δ| over the update's RMS (1 after rescale);
 2. the polar factor: NS with 30 steps, β 0.5 on well-conditioned matrices vs SVD, on the device in fp32;
 3. one ``swan_dist.SWAN`` step (fallback AdamW) on the reference ``tiny`` model: the parameters after
-   the step on the device vs on the CPU (fp32 whitening on both), relative to the step's size.
+   the step on the device vs on the CPU (fp32 whitening on both), relative to the step's size;
+4. ``step_in_backward=True`` on the device: three iterations of the reference ``tiny`` model under an lr
+   schedule, in one process and under FSDP2 at W=1 (NCCL on CUDA: the freed gradients are views of
+   FSDP's reduce-scatter output, kept alive for their stream by ``record_stream``), vs the ordinary
+   step on the same device and data: max |Δ| of the weights over the three steps' total movement.
 
 Fails (exit 1) past the tolerances below; prints a line per case. ``--device cpu`` runs the same
 comparisons on the CPU (to check the script where there is no GPU).
@@ -104,8 +108,60 @@ def main() -> int:
     worst = max(((dev_after[n] - cpu_after[n]).abs().max() / (cpu_after[n] - start[n]).abs().max().clamp_min(1e-12)).item()
                 for n in start)
     report("SWAN step on the reference tiny model (device vs CPU, per tensor, / step size)", worst, 1e-3)
+    for layout in ("one process", "FSDP2 W=1"):
+        report(f"step_in_backward vs the ordinary step, {layout}, 3 steps (/ movement)", _in_backward(dev, layout),
+               1e-4)
     print(f"cuda_numerics: {'FAILED: ' + ', '.join(failed) if failed else 'all within tolerance'}")
     return 1 if failed else 0
+
+
+def _in_backward(dev: torch.device, layout: str) -> float:
+    """Largest weight difference between ``step_in_backward=True`` and the ordinary step after three
+    iterations (same data, lr schedule), over the largest movement of a weight."""
+    import os
+
+    import torch.distributed as dist
+
+    import swan_dist
+    from swan_dist.reference.model import Llama, model_config
+
+    fsdp = layout.startswith("FSDP2")
+    if fsdp and not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29533")
+        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", rank=0, world_size=1,
+                                device_id=dev if dev.type == "cuda" else None)
+    out = {}
+    for in_backward in (False, True):
+        torch.manual_seed(0)
+        model = Llama(model_config("tiny", vocab_size=512)).to(dev)
+        if fsdp:
+            from torch.distributed.fsdp import fully_shard
+
+            for block in model.layers:
+                fully_shard(block)
+            fully_shard(model)
+        start = {n: p.detach().full_tensor() if hasattr(p, "full_tensor") else p.detach().clone()
+                 for n, p in model.named_parameters()}
+        opt = swan_dist.SWAN(model, preset="swan_ddagger", lr=0.02, whiten_dtype="float32", verbose=False,
+                             step_in_backward=in_backward)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+        g = torch.Generator().manual_seed(2)
+        for _ in range(3):
+            tokens = torch.randint(0, 512, (2, 33), generator=g).to(dev)
+            opt.zero_grad()
+            _, loss = model(tokens[:, :-1], tokens[:, 1:])
+            loss.backward()
+            opt.step()
+            sched.step()
+        out[in_backward] = {n: (p.detach().full_tensor() if hasattr(p, "full_tensor") else p.detach()).double().cpu()
+                            for n, p in model.named_parameters()}
+        moved = max((out[in_backward][n] - start[n].double().cpu()).abs().max().item() for n in start)
+    if fsdp:
+        dist.destroy_process_group()
+    if moved == 0:  # nothing moved: the comparison would prove nothing
+        return float("inf")
+    return max((out[True][n] - out[False][n]).abs().max().item() for n in out[True]) / moved
 
 
 if __name__ == "__main__":
