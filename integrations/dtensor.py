@@ -30,6 +30,7 @@ from functools import cache, lru_cache
 
 import torch
 from torch import Tensor
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from swan_dist.adapter import Adapter, Piece, tensor_piece
 from swan_dist.layout import Layout
@@ -72,7 +73,8 @@ def _local_shape_and_offset(shape: tuple[int, ...], mesh_shape: tuple[int, ...],
         return utils.compute_local_shape_and_global_offset(shape, _At(mesh_shape, coord), placements)
     compute = _private("torch.distributed.tensor._utils", "_compute_local_shape_and_global_offset")
     try:
-        return compute(shape, mesh_shape, coord, placements)
+        with unset_fake_temporarily():  # index arithmetic on small tensors: real ones, also in a fake step
+            return compute(shape, mesh_shape, coord, placements)
     except TypeError as e:
         raise RuntimeError(f"swan_dist: torch {torch.__version__}'s torch.distributed.tensor._utils."
                            "_compute_local_shape_and_global_offset(global_shape, mesh_shape, my_coordinate, "

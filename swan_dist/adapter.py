@@ -34,6 +34,7 @@ import torch
 from torch import Tensor, nn
 
 from .layout import ROW_MAJOR, Layout
+from .functional import is_fake
 
 __all__ = ["Adapter", "Form", "Member", "Piece", "StateSlot", "adapter_for", "members_of", "adopt", "prepare_model",
            "form_of", "flat_piece",
@@ -86,6 +87,14 @@ class Piece:
         return self.lo == 0 and self.hi == math.prod(self.shape)
 
 
+def _address(t: Tensor):
+    """Where ``t``'s data starts: its data pointer; for a fake tensor (no data,
+    :func:`~swan_dist.functional.is_fake`) its storage's identity and offset."""
+    if is_fake(t):
+        return t.untyped_storage()._cdata, t.storage_offset() * t.element_size()
+    return t.data_ptr()
+
+
 def tensor_piece(name: str, p: Tensor, shape: tuple[int, ...] | None = None, lo: int = 0,
                  local: Tensor | None = None, grad: Tensor | None = None, layout: Layout = ROW_MAJOR,
                  split: tuple[int, ...] = ()) -> Piece:
@@ -93,7 +102,7 @@ def tensor_piece(name: str, p: Tensor, shape: tuple[int, ...] | None = None, lo:
     engine sees ``local`` (default ``p``) flattened as elements ``[lo, lo + numel)`` of ``shape``."""
     local = p if local is None else local
     flat = local.detach().reshape(-1)
-    if flat.numel() and flat.data_ptr() != local.detach().data_ptr():
+    if flat.numel() and _address(flat) != _address(local.detach()):
         raise ValueError(f"swan_dist: the local tensor of {name!r} is not contiguous; SWAN updates it in place")
     g = None if grad is None else grad.reshape(-1)
     return Piece(name, tuple(p.shape) if shape is None else tuple(shape), lo, lo + flat.numel(), flat, g,
@@ -251,7 +260,7 @@ def tensor_key(adapter: Adapter, tensor: Tensor) -> tuple:
     """What a reused piece of ``tensor`` depends on: its local storage (:meth:`Adapter.local`: a DTensor's
     shard), shape, strides and dtype."""
     local = adapter.local(tensor)
-    return local.data_ptr(), tensor.shape, local.stride(), tensor.dtype
+    return _address(local), tensor.shape, local.stride(), tensor.dtype
 
 
 def reusable(adapter: Adapter, tensor: Tensor, pieces: Sequence[Piece]) -> bool:
@@ -270,8 +279,8 @@ def reusable(adapter: Adapter, tensor: Tensor, pieces: Sequence[Piece]) -> bool:
             pc.target is tensor and pc.target_grad is g and pc.slot.key is tensor and pc.slot.index is None
             and local.layout is torch.strided and local_g.layout is torch.strided and local.numel() > 0
             and pc.param.dim() == 1 and pc.grad.dim() == 1
-            and pc.param.numel() == local.numel() == pc.hi - pc.lo and pc.param.data_ptr() == local.data_ptr()
-            and pc.grad.numel() == local_g.numel() and pc.grad.data_ptr() == local_g.data_ptr()
+            and pc.param.numel() == local.numel() == pc.hi - pc.lo and _address(pc.param) == _address(local)
+            and pc.grad.numel() == local_g.numel() and _address(pc.grad) == _address(local_g)
         )
     except (RuntimeError, NotImplementedError, AttributeError):  # tensors without storage (wrapper subclasses)
         return False

@@ -20,7 +20,7 @@ from torch import Tensor
 
 from .adapter import Piece
 from .collectives import all_gather, all_reduce_max, gather_objects
-from .functional import _compile_wanted, resolve_dtype
+from .functional import _compile_wanted, is_fake, resolve_dtype
 from .records import Descriptor, Entry, GradCode
 from .rules import SCALAR_KEYS
 
@@ -99,12 +99,11 @@ def agree(entries: list[Entry], failure: BaseException | None, ctx, memo, groups
     groups whose scalar options every rank must share. One ``all_reduce`` while nothing changed."""
     pieces = [e.piece for e in entries]
     codes = grad_codes(pieces, ctx.device)
-    if ctx.mode == "local":
-        part = [i for i, e in enumerate(entries) if e.record.use_swan and not e.piece.whole]
-        if part:
-            codes[torch.tensor(part, device=codes.device)] = GradCode.PARTIAL
+    part = [i for i, e in enumerate(entries) if e.record.use_swan and not e.piece.whole] if ctx.mode == "local" else []
+    if part:
+        codes[torch.tensor(part, device=codes.device)] = GradCode.PARTIAL
     if ctx.world == 1:
-        return codes.tolist(), None
+        return (_assumed_codes(pieces, part) if is_fake(codes) else codes.tolist()), None
     records = [e.record for e in entries]
     engine = engine_descriptor(ctx.mode, ctx.bucket_mb, ctx.device, records)
     structure = memo.hashes.structure(records, engine)
@@ -273,6 +272,14 @@ def grad_codes(pieces: list[Piece], device: torch.device | None) -> Tensor:
     return out
 
 
+def _assumed_codes(pieces: list[Piece], partial: list[int]) -> list[int]:
+    """The codes of a fake step (:func:`~swan_dist.functional.is_fake`: no values to read), from what the
+    host knows: no gradient, or a finite one (the estimate's assumption), ``PARTIAL`` at ``partial``."""
+    partial = set(partial)
+    return [int(GradCode.PARTIAL) if i in partial else int(GradCode.NONE if pc.grad is None else GradCode.FINITE)
+            for i, pc in enumerate(pieces)]
+
+
 def _finite(grads: list[Tensor]) -> Tensor:
     """Whether each gradient (strided, non-empty, all on one device with one dtype) is all finite, as a
     bool tensor on that device. On an accelerator: one foreach max-abs reduction, which NaN and Inf
@@ -282,7 +289,7 @@ def _finite(grads: list[Tensor]) -> Tensor:
     if grads[0].device.type != "cpu":
         return torch.stack(torch._foreach_norm(grads, float("inf"))).isfinite()
     finite = torch.stack(torch._foreach_norm(grads, 2)).isfinite()
-    if not bool(finite.all()):
+    if not is_fake(finite) and not bool(finite.all()):
         for j in (~finite).nonzero().flatten().tolist():
             finite[j] = grads[j].isfinite().all()
     return finite

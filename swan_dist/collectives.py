@@ -116,7 +116,8 @@ def start_all_to_all(out: Tensor, inp: Tensor, out_splits: list[int], in_splits:
 # gloo group moves CUDA pieces to the CPU; "undefined" is ``init_process_group()`` without a backend,
 # whose per-device backends torch creates lazily from its default map (cpu: gloo, cuda: nccl, ...).
 _BACKEND_DEVICES = {"gloo": ("cpu",), "nccl": ("cuda",), "mpi": ("cpu",), "ucc": ("cpu", "cuda"),
-                    "xccl": ("xpu",), "hccl": ("npu",)}
+                    "xccl": ("xpu",), "hccl": ("npu",),
+                    "fake": ("cuda", "cpu")}  # torch's fake process group (one rank simulated, no communication)
 
 
 def served_devices(backend: str) -> tuple[str, ...]:

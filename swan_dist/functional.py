@@ -24,6 +24,15 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+from torch._subclasses.fake_tensor import FakeTensor
+
+
+def is_fake(t: Tensor) -> bool:
+    """Whether ``t`` is a fake tensor (``FakeTensorMode``: shapes and dtypes, no data), as when a step's
+    memory is estimated for shapes that do not fit. Where the real step reads a value on the host (is
+    every gradient finite?), a fake one has none to read and takes the common branch: every gradient and
+    every update finite, the estimate's assumption; the branch's allocations are the real ones."""
+    return isinstance(t, FakeTensor)
 
 __all__ = [
     "WhitenConfig",
@@ -116,7 +125,7 @@ def _norm(x: Tensor, dim) -> Tensor:
         n = torch.mul(x, x).sum(dim, keepdim=True).sqrt_()
     else:
         n = torch.linalg.vector_norm(x, dim=dim, keepdim=True)
-    if bool(((n < 1e-18) | ~torch.isfinite(n)).any()):
+    if not is_fake(n) and bool(((n < 1e-18) | ~torch.isfinite(n)).any()):
         return torch.linalg.vector_norm(x, dim=dim, keepdim=True, dtype=torch.float64)
     return n
 
@@ -329,7 +338,7 @@ def _swan_update(g: Tensor, cfg: WhitenConfig) -> tuple[Tensor, Tensor]:
         done = _swan_update_gram_first(g, cfg, wdtype, out_dtype)
         if done is not None:
             upd, ok = done
-            if not bool(ok.all()):
+            if not is_fake(ok) and not bool(ok.all()):
                 upd.masked_fill_(~ok, 0.0)
             return upd, ok[..., 0, 0]
     x, finite = _grad_norm(g, cfg.grad_norm, wdtype)
@@ -339,7 +348,7 @@ def _swan_update(g: Tensor, cfg: WhitenConfig) -> tuple[Tensor, Tensor]:
     norm = _norm(x, (-2, -1))
     upd = _scale_by(x, _rescale_factor(x, norm), out_dtype)
     finite = finite & norm.isfinite()  # the gradient and the whitening's output
-    if g.device.type != "cpu" or not bool(finite.all()):  # (no host sync off the CPU)
+    if g.device.type != "cpu" or (not is_fake(finite) and not bool(finite.all())):  # (no host sync off the CPU)
         upd.masked_fill_(~finite, 0.0)
     return upd, finite[..., 0, 0]
 
@@ -360,7 +369,7 @@ def _swan_update_gram_first(g: Tensor, cfg: WhitenConfig, wdtype: torch.dtype, o
     xb = g.to(wdtype)
     a = xb.mT @ xb  # (..., in, in)
     sq = a.diagonal(dim1=-2, dim2=-1).to(out_dtype)
-    if not bool(((sq >= 1e-30) & (sq <= 1e30)).all()):
+    if not is_fake(sq) and not bool(((sq >= 1e-30) & (sq <= 1e30)).all()):
         return None
     d = sq.rsqrt().mul_(math.sqrt(g.shape[-2]))  # GradNorm: each input index over its RMS
     z = _whitener(a, cfg.method, cfg.steps, cfg.beta, d)

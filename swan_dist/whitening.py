@@ -15,7 +15,7 @@ from torch import Tensor
 
 from .collectives import gather_objects
 from .exchange import Exchange
-from .functional import WhitenConfig, swan_update, whiten_flops
+from .functional import WhitenConfig, is_fake, swan_update, whiten_flops
 from .layout import matrices_in, part_shapes, update_canonical
 from .plan import Matrix, Plan, build_plan
 from .records import Entry
@@ -85,7 +85,7 @@ def whiten_local(entries: Sequence[Entry], nonfinite: list[str]) -> int:
             rows = torch.stack([e.piece.grad for e in chunk])
             upd, ok = update_canonical(rows, [e.record.layout for e in chunk], shape, split,
                                        lambda x: swan_compute(x, cfg))
-            if not bool(ok.all()):
+            if not is_fake(ok) and not bool(ok.all()):
                 keep = ok.tolist()
                 nonfinite += [e.record.name for e, good in zip(chunk, keep) if not good]
                 chunk, upd = [e for e, good in zip(chunk, keep) if good], upd[ok]
