@@ -158,6 +158,13 @@ class DTensorAdapter(Adapter):
         # elementwise update of the local shard is the update of those elements of the whole tensor
         return tensor.to_local() if _is_dtensor(tensor) else tensor
 
+    def peer_ranges(self, tensor: Tensor, piece: Piece, world: int) -> list[tuple[int, int]] | None:
+        mesh = tensor.device_mesh  # a 1-D mesh over the whole group: rank r at coordinate (r,)
+        if mesh.ndim != 1 or mesh.size() != world:
+            return None
+        _, ranges = self._grid(tensor, piece.name)
+        return [ranges[(r,)] for r in range(world)]
+
     def pieces(self, tensor: Tensor, name: str, rules: tuple[bool, ...]) -> list[Piece]:
         layout, ranges = self._grid(tensor, name)
         coord = tensor.device_mesh.get_coordinate()

@@ -228,6 +228,13 @@ class Adapter:
         """This rank's piece of each member of ``tensor`` (``rules``: SWAN or not, per member)."""
         raise NotImplementedError
 
+    def peer_ranges(self, tensor: Tensor, piece: Piece, world: int) -> list[tuple[int, int]] | None:
+        """Every rank's range ``[lo, hi)`` of ``piece``'s parameter (rank order over the optimizer's group
+        of ``world``), where this rank can know it without asking (the layout a function of the rank), else
+        ``None``. Used only where ranges cannot be gathered: torch's fake process group, one rank simulated
+        to estimate a step's memory. Default: a whole tensor is whole on every rank (replicated)."""
+        return [(piece.lo, piece.hi)] * world if piece.whole else None
+
     def adopt(self, originals: list[tuple[str, Tensor]], params: list[Tensor], use_swan: bool, index: int,
               group: Any) -> list[Piece] | None:
         """Pieces for param group ``index`` whose tensors ``originals`` the framework replaced by

@@ -105,6 +105,10 @@ def agree(entries: list[Entry], failure: BaseException | None, ctx, memo, groups
     if ctx.world == 1:
         return (_assumed_codes(pieces, part) if is_fake(codes) else codes.tolist()), None
     records = [e.record for e in entries]
+    if is_fake(codes):  # a fake step (torch's fake process group: no values cross): every rank assumed alike
+        layout = memo.hashes.layout(pieces)
+        return _assumed_codes(pieces, part), (memo.hashes.structure(records, engine_descriptor(
+            ctx.mode, ctx.bucket_mb, ctx.device, records)), (layout,) * ctx.world)
     engine = engine_descriptor(ctx.mode, ctx.bucket_mb, ctx.device, records)
     structure = memo.hashes.structure(records, engine)
     verdict, flags = memo.agreement(codes, structure, memo.hashes.layout(pieces), scalar_hash(groups), ctx.group,

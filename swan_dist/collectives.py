@@ -26,8 +26,18 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch._subclasses.fake_tensor import FakeTensor
 
-__all__ = ["all_reduce_max", "all_gather", "gather_objects", "start_all_to_all", "Transfer", "counts", "settle", "pending", "drain",
+
+def is_fake(t: Tensor) -> bool:
+    """Whether ``t`` is a fake tensor (``FakeTensorMode``: shapes and dtypes, no data), as when a step's
+    memory is estimated for shapes that do not fit. Where the real step reads a value on the host (is
+    every gradient finite?), a fake one has none to read and takes the common branch: every gradient and
+    every update finite, the estimate's assumption; the branch's allocations are the real ones."""
+    return isinstance(t, FakeTensor)
+
+
+__all__ = ["is_fake", "all_reduce_max", "all_gather", "gather_objects", "start_all_to_all", "Transfer", "counts", "settle", "pending", "drain",
            "served_devices", "comm_device"]
 
 _PENDING: list[tuple[Tensor, int]] = []  # (tensor, its use count before the collective)

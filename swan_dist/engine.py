@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from .agreement import Hashes, StepAgreement, agree, gather_names, nonfinite_update, raise_rank_failure, skipped
 from .collectives import all_reduce_max, comm_device
+from .functional import is_fake
 from .records import Entry
 from .rules import run_fallbacks
 from .whitening import Plans, explain, whiten_local
@@ -153,7 +154,12 @@ def _close(ctx: StepContext, late: BaseException | None, nonfinite: list[str]) -
             raise late
         return nonfinite
     status = torch.tensor([late is not None, bool(nonfinite)], dtype=torch.int32, device=ctx.device)
-    failed, bad = all_reduce_max(status, ctx.group)
+    if is_fake(status):  # a fake step (torch's fake process group): this rank's own status, no values cross
+        failed, bad = late is not None, False
+        if late is not None:
+            raise late
+    else:
+        failed, bad = all_reduce_max(status, ctx.group)
     if failed:
         raise_rank_failure(explain(late, ctx.bucket_mb), ctx.group)
     return gather_names(nonfinite, ctx.group) if bad else nonfinite

@@ -24,15 +24,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
-from torch._subclasses.fake_tensor import FakeTensor
 
-
-def is_fake(t: Tensor) -> bool:
-    """Whether ``t`` is a fake tensor (``FakeTensorMode``: shapes and dtypes, no data), as when a step's
-    memory is estimated for shapes that do not fit. Where the real step reads a value on the host (is
-    every gradient finite?), a fake one has none to read and takes the common branch: every gradient and
-    every update finite, the estimate's assumption; the branch's allocations are the real ones."""
-    return isinstance(t, FakeTensor)
+from .collectives import is_fake  # noqa: F401 (re-exported: the SWAN math's one use of it)
 
 __all__ = [
     "WhitenConfig",

@@ -12,7 +12,9 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
+from .adapter import adapter_for
 from .collectives import gather_objects
 from .exchange import Exchange
 from .functional import WhitenConfig, is_fake, swan_update, whiten_flops
@@ -82,7 +84,8 @@ def whiten_local(entries: Sequence[Entry], nonfinite: list[str]) -> int:
         per = max(1, bound // max(1, 4 * numel))
         for k in range(0, len(chunk_all), per):
             chunk = chunk_all[k: k + per]
-            rows = torch.stack([e.piece.grad for e in chunk])
+            # one matrix: a view of its gradient, no copy (torch.stack copies even one)
+            rows = chunk[0].piece.grad.unsqueeze(0) if len(chunk) == 1 else torch.stack([e.piece.grad for e in chunk])
             upd, ok = update_canonical(rows, [e.record.layout for e in chunk], shape, split,
                                        lambda x: swan_compute(x, cfg))
             if not is_fake(ok) and not bool(ok.all()):
@@ -93,6 +96,25 @@ def whiten_local(entries: Sequence[Entry], nonfinite: list[str]) -> int:
                 apply_stack([e.group for e in chunk], [e.piece.param for e in chunk], upd)
             whitened += len(chunk_all[k: k + per]) * matrices_in(shape, split)
     return whitened
+
+
+def _every_ranks_ranges(entries: Sequence[Entry], group) -> list[list[tuple[int, int]]]:
+    """Per rank of ``group`` the ranges of ``entries`` it holds: gathered (one ``all_gather_object``), or,
+    under torch's fake process group (nothing crosses: one rank simulated to estimate a step's memory),
+    from what each adapter knows of the other ranks' layout (:meth:`~swan_dist.adapter.Adapter.peer_ranges`)."""
+    mine = [(e.piece.lo, e.piece.hi) for e in entries]
+    if str(dist.get_backend(group)) != "fake":
+        return gather_objects(mine, group)
+    world = dist.get_world_size(group)
+    per = []
+    for e in entries:
+        known = adapter_for(e.piece.target).peer_ranges(e.piece.target, e.piece, world)
+        if known is None:
+            raise NotImplementedError(f"swan_dist: under torch's fake process group the other ranks' pieces of "
+                                      f"{e.record.name!r} cannot be known here (its layout is not a function of the "
+                                      "rank): a fake step supports whole tensors and DTensors on a 1-D mesh")
+        per.append(known)
+    return [[p[r] for p in per] for r in range(world)]
 
 
 class Plans:
@@ -111,8 +133,9 @@ class Plans:
         if plan is not None and plan.device == device:
             return plan
         specs = [e.record for e in entries]  # records are what the planner plans with
-        ranges = gather_objects([(e.piece.lo, e.piece.hi) for e in entries], group)
-        built = swan_plan(specs, ranges, mode, int(bucket_mb * 2**20))
+        ranges = _every_ranks_ranges(entries, group)
+        with unset_fake_temporarily():  # the planner's index tables: host data, real also in a fake step
+            built = swan_plan(specs, ranges, mode, int(bucket_mb * 2**20))
         plan = swan_exchange(built, dist.get_rank(group), group, device, [e.piece.param.dtype for e in entries],
                              stack_bytes=_CPU_EXCHANGE_STACK_BYTES if device.type == "cpu" else None)
         if len(self.cache) >= 64:

@@ -73,3 +73,72 @@ def test_fake_step_runs_without_host_reads():
         model(torch.randn(2, 8)).sum().backward()
         opt.step()
         assert all(isinstance(p, FakeTensor) for p in model.parameters())
+
+
+@pytest.mark.parametrize("mode, in_backward", [("owner", False), ("replicated", False), ("owner", True)])
+def test_fsdp2_step_under_the_fake_process_group(mode, in_backward):
+    """One rank of four simulated (torch's fake process group: no communication) with fake tensors: SWAN's
+    FSDP2 step runs (the owners' plan from every rank's ranges, known from the DTensor layout), and
+    MemTracker sees this rank's quarter of the parameters and an owner's exchange buffers."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    world = 4
+    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=world)
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        with FakeTensorMode():
+            model = torch.nn.Sequential(*(torch.nn.Linear(64, 64, bias=False) for _ in range(4)))
+            full = sum(p.numel() * p.element_size() for p in model.parameters())
+            for layer in model:
+                fully_shard(layer, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+            opt = SWAN(model, verbose=False, mode=mode, step_in_backward=in_backward)
+            x = torch.randn(2, 64)
+
+            def step():
+                model(x).sum().backward()
+                opt.step()
+                opt.zero_grad()
+
+            step()
+            tracker = MemTracker()
+            tracker.track_external(model, opt)
+            with tracker:
+                step()
+            peak = {getattr(k, "value", str(k)): int(v)
+                    for k, v in tracker.get_tracker_snapshot("peak")[torch.device("cpu")].items()}
+            assert all(isinstance(p.to_local(), FakeTensor) for p in model.parameters())
+    finally:
+        dist.destroy_process_group()
+    assert peak["Parameter"] == full // world
+    if not in_backward:  # (inside backward the step's workspace counts as backward's temporaries)
+        assert peak["Optstate"] > 0  # the step's workspace: owners' stacks, exchange buffers
+
+
+def test_sign_fallback_in_bounded_chunks_equals_the_whole(monkeypatch):
+    """The sign rule makes its signs a bounded number of bytes at a time (a large gradient in flat slices):
+    the same weights as signing every gradient at once."""
+    import swan_dist.rules.fallback as fallback
+
+    def run(budget):
+        monkeypatch.setattr(fallback, "_SIGN_CPU_BYTES", budget)
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Embedding(50, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 50))
+        opt = SWAN(model, preset="swan_ddagger", fallback="sign", weight_decay=0.1, verbose=False)
+        for _ in range(2):
+            model(torch.arange(10)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        return [p.detach().clone() for p in model.parameters()]
+
+    whole, chunked = run(1 << 30), run(100)  # 100 bytes: the embedding (3,200 bytes) in 32 slices
+    assert all(torch.equal(a, b) for a, b in zip(whole, chunked))
+    calls = []
+    monkeypatch.setattr(fallback, "_chunks", lambda t, g, b: calls.append(b) or iter([(t, g)]))
+    run(100)
+    assert calls  # the chunked path is the one taken

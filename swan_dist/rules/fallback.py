@@ -101,7 +101,45 @@ def _stateless(group: dict, pieces: list[Piece], sign: bool) -> None:
             continue
         if wd:
             torch._foreach_mul_(targets, foreach_scalar(1.0 - lr * wd, targets[0]))
-        torch._foreach_add_(targets, torch._foreach_sign(grads) if sign else grads, alpha=-lr)
+        if not sign:
+            torch._foreach_add_(targets, grads, alpha=-lr)
+            continue
+        budget = _SIGN_CPU_BYTES if grads[0].device.type == "cpu" else _SIGN_BYTES
+        for ts, gs in _chunks(targets, grads, budget):  # the signs made at most ``budget`` bytes at a time
+            torch._foreach_add_(ts, torch._foreach_sign(gs), alpha=-lr)
+
+
+# The sign rule's signs are new tensors: made and applied in chunks of at most this many bytes (the bounds
+# of the whitening's stacks, swan_dist/whitening.py), a gradient larger than that in flat slices.
+_SIGN_CPU_BYTES = 16 << 20
+_SIGN_BYTES = 256 << 20
+
+
+def _chunks(targets: list[Tensor], grads: list[Tensor], budget: int):
+    """``(targets, grads)`` lists, in order, whose gradients hold at most ``budget`` bytes together (or one
+    tensor that cannot be sliced); a contiguous gradient larger than ``budget`` comes as flat slices of it
+    and its target. Elementwise rules give the same result per element however the tensors are cut."""
+    ts: list[Tensor] = []
+    gs: list[Tensor] = []
+    held = 0
+    for t, g in zip(targets, grads):
+        size = g.numel() * g.element_size()
+        if size > budget and t.shape == g.shape and t.is_contiguous() and g.is_contiguous():
+            step = max(1, budget // g.element_size())
+            tf, gf = t.view(-1), g.view(-1)
+            parts = [(tf[a: a + step], gf[a: a + step]) for a in range(0, g.numel(), step)]
+        else:
+            parts = [(t, g)]
+        for pt, pg in parts:
+            size = pg.numel() * pg.element_size()
+            if ts and held + size > budget:
+                yield ts, gs
+                ts, gs, held = [], [], 0
+            ts.append(pt)
+            gs.append(pg)
+            held += size
+    if ts:
+        yield ts, gs
 
 
 def run_fallbacks(state: dict, groups: list[dict], entries: list, skip: set[int]) -> None:
