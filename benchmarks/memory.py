@@ -62,7 +62,10 @@ OPTIMIZERS = {
 DEFAULT_OPTIMIZERS = ("adamw,adamw_fused,swan_ddagger,swan_ddagger+sign,swan_ddagger@backward,"
                       "swan_ddagger+sign@backward,muon,sgd")
 PAPER_VOCAB = 32000  # the papers' LLaMA tokenizer; reference sizes below 350m keep the repo's 8k BPE
-PAPER_SIZES = {"350m": "LLaMA 350M", "1b3": "LLaMA 1.3B"}
+PAPER_SIZES = {"350m": "LLaMA 350M", "1b3": "LLaMA 1.3B", "7b": "LLaMA 7B", "13b": "LLaMA 13B"}
+# the LLaMA paper's 7B and 13B shapes (not among the reference model's sizes: estimated, never built)
+LARGE_SHAPES = {"7b": dict(dim=4096, n_layers=32, n_heads=32, ffn_dim=11008),
+                "13b": dict(dim=5120, n_layers=40, n_heads=40, ffn_dim=13824)}
 CATEGORIES = ("Parameter", "Gradient", "Activation", "Optstate", "Temp", "Buffer", "Other")
 MiB = 2**20
 
@@ -97,12 +100,36 @@ def _vocab(size: str) -> int:
     return PAPER_VOCAB if size in PAPER_SIZES else 8192
 
 
+def _config(size: str):
+    from swan_dist.reference.model import model_config
+
+    if size in LARGE_SHAPES:
+        return model_config("1b3", vocab_size=PAPER_VOCAB, **LARGE_SHAPES[size])
+    return model_config(size, vocab_size=_vocab(size))
+
+
+def _build_fake(size: str):
+    """The same model of fake tensors (the caller's ``FakeTensorMode``: shapes, no data, nothing
+    allocated), its weights made in bf16 directly."""
+    from swan_dist.reference.model import Llama, rope_tables
+
+    cfg = _config(size)
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        model = Llama(cfg)
+    finally:
+        torch.set_default_dtype(old)
+    model.rope_cos, model.rope_sin = rope_tables(cfg.dim // cfg.n_heads, cfg.max_seq_len)
+    return model, cfg
+
+
 def _build(size: str):
     """The reference LLaMA of ``size`` in bf16, built on ``meta`` and materialised on the CPU in place:
     no fp32 copy and no second copy of any weight is ever made."""
-    from swan_dist.reference.model import Llama, model_config, rope_tables
+    from swan_dist.reference.model import Llama, rope_tables
 
-    cfg = model_config(size, vocab_size=_vocab(size))
+    cfg = _config(size)
     with torch.device("meta"):
         model = Llama(cfg).to(torch.bfloat16)
     model.to_empty(device="cpu")
@@ -154,7 +181,54 @@ def _module_peaks(tracker, model) -> dict[str, dict[str, int]]:
     return out
 
 
+def _tracked(model, opts, step, steps: int) -> dict:
+    """``steps`` steps under MemTracker: its peak and current snapshots by category, the model's own
+    forward/backward peaks, seconds per step."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    tracker = MemTracker()
+    tracker.track_external(model, *opts)
+    fw_bw: dict[str, dict[str, int]] = {}
+    t0 = time.perf_counter()
+    with tracker:
+        for _ in range(steps):
+            step()
+            for k, v in _module_peaks(tracker, model).items():
+                if v.get("Total", 0) > fw_bw.get(k, {}).get("Total", -1):
+                    fw_bw[k] = v
+            tracker.reset_mod_stats()  # MemTracker takes one forward of the root per iteration
+    return dict(tracked_s=(time.perf_counter() - t0) / steps, peak=_by_value(tracker.get_tracker_snapshot("peak")),
+                after=_by_value(tracker.get_tracker_snapshot("current")), module_peaks=fw_bw)
+
+
+def child_estimate(size: str, name: str, args) -> dict:
+    """The step under ``FakeTensorMode`` (nothing allocated) and MemTracker: the live-tensor peak by
+    category as the real step would make it, assuming every gradient finite."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        model, cfg = _build_fake(size)
+        opts = _optimizers(name, model)
+        n_params = sum(p.numel() for p in model.parameters())
+        x = torch.randint(0, cfg.vocab_size, (1, args.seq))
+        y = torch.randint(0, cfg.vocab_size, (1, args.seq))
+
+        def step() -> None:
+            model(x, y)[1].backward()
+            for o in opts:
+                o.step()
+            for o in opts:
+                o.zero_grad(set_to_none=True)
+
+        step()  # the optimizer's state made
+        out = {"size": size, "optimizer": name, "params": n_params, "estimate": True, "seq": args.seq}
+        out.update(_tracked(model, opts, step, 1))
+    return out
+
+
 def child(size: str, name: str, args) -> dict:
+    if args.estimate_child:
+        return child_estimate(size, name, args)
     _settle()
     baseline = _status()["VmRSS"]
     t_build = time.perf_counter()
@@ -190,32 +264,18 @@ def child(size: str, name: str, args) -> dict:
            "step_s": statistics.median(times), "build_warmup_s": build_s}
 
     if not args.rss_only:
-        from torch.distributed._tools.mem_tracker import MemTracker
-
-        tracker = MemTracker()
-        tracker.track_external(model, *opts)
-        fw_bw: dict[str, dict[str, int]] = {}
-        t0 = time.perf_counter()
-        with tracker:
-            for _ in range(args.tracked_steps):
-                step()
-                for k, v in _module_peaks(tracker, model).items():
-                    if v.get("Total", 0) > fw_bw.get(k, {}).get("Total", -1):
-                        fw_bw[k] = v
-                tracker.reset_mod_stats()  # MemTracker takes one forward of the root per iteration
-        out.update(tracked_s=(time.perf_counter() - t0) / args.tracked_steps,
-                   peak=_by_value(tracker.get_tracker_snapshot("peak")),
-                   after=_by_value(tracker.get_tracker_snapshot("current")), module_peaks=fw_bw)
+        out.update(_tracked(model, opts, step, args.tracked_steps))
     return out
 
 
 # --------------------------------------------------------------------------------------------- parent
-def _run_child(size: str, name: str, args) -> dict:
+def _run_child(size: str, name: str, args, estimate: bool = False) -> dict:
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "result.json")
         cmd = [sys.executable, os.path.abspath(__file__), "--child", f"{size}:{name}", "--child-out", path,
                "--seq", str(args.seq), "--steps", str(args.steps), "--warmup", str(args.warmup),
                "--tracked-steps", str(args.tracked_steps)] + (["--rss-only"] if size in args.rss_only_sizes else [])
+        cmd += ["--estimate-child"] if estimate else []
         t0 = time.perf_counter()
         subprocess.run(cmd, check=True)
         with open(path) as f:
@@ -389,6 +449,56 @@ def report(results: list[dict], args) -> str:
     return "\n".join(lines)
 
 
+def _transient(r: dict) -> int:
+    """The step's scratch at MemTracker's peak: its optimizer category less the state kept after it."""
+    return max(0, r["peak"].get("Optstate", 0) - r["after"].get("Optstate", 0))
+
+
+def estimate_report(estimates: list[dict], results: list[dict]) -> str:
+    """The estimated table, each estimate checked against the real run of the same size and optimizer."""
+    if not estimates:
+        return ""
+    real = {(r["size"], r["optimizer"]): r for r in results if "peak" in r}
+    lines = [
+        "",
+        "",
+        "**Estimated without allocating** (torch's `FakeTensorMode`: tensors with shapes and no data, the same "
+        "step traced; `MemTracker`'s peak of live tensor bytes by category, MiB; the estimate assumes every "
+        "gradient finite, the branch the real step takes when they are). 7B and 13B: the LLaMA paper's shapes "
+        f"(dim 4096 / 5120, 32 / 40 layers, FFN 11008 / 13824, vocab {PAPER_VOCAB:,}), bf16, batch 1 x "
+        f"{args_seq(estimates)} tokens. *est./real*: the estimate's total over the real run's MemTracker peak "
+        "(tensors) and over its resident peak, where the same size ran above.",
+        "",
+        "| model | optimizer | parameters | gradients | activations | state | step transient | temporaries "
+        "| total (est.) | vs AdamW | est./real tensors | est./real resident |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    base = {r["size"]: r for r in estimates if r["optimizer"] == "adamw"}
+    for r in estimates:
+        p = r["peak"]
+        b = base.get(r["size"])
+        twin = real.get((r["size"], r["optimizer"]))
+        lines.append(
+            f"| {r['size']} | {OPTIMIZERS[r['optimizer']]} | {_mib(p.get('Parameter', 0))} | "
+            f"{_mib(p.get('Gradient', 0))} | {_mib(p.get('Activation', 0))} | {_mib(r['after'].get('Optstate', 0))} | "
+            f"{_mib(_transient(r))} | {_mib(p.get('Temp', 0))} | {_mib(p.get('Total'))} | "
+            f"{_ratio(p.get('Total'), b['peak'].get('Total') if b else None)} | "
+            f"{_ratio(p.get('Total'), twin['peak'].get('Total') if twin else None)} | "
+            f"{_ratio(p.get('Total'), twin['peak_rss'] if twin else None)} |")
+    return "\n".join(lines)
+
+
+def args_seq(estimates: list[dict]) -> str:
+    return str(estimates[0].get("seq", "?"))
+
+
+def _save(path: str | None, results: list[dict], estimates: list[dict]) -> None:
+    """The raw results so far (after each subprocess: a run cut short keeps what it measured)."""
+    if path:
+        with open(path, "w") as f:
+            json.dump({"results": results, "estimates": estimates}, f)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="350m,1b3", help="comma list of reference model sizes (350m, 1b3, small, ...)")
@@ -400,6 +510,14 @@ def main() -> None:
     ap.add_argument("--rss-only", default="", help="comma list of sizes measured without MemTracker")
     ap.add_argument("--skip", default="", help="comma list of SIZE:OPTIMIZER pairs not to run (too slow here)")
     ap.add_argument("--no-write", action="store_true", help="print only, do not update docs/benchmarks.md")
+    ap.add_argument("--estimate", default="350m,1b3,7b,13b",
+                    help="comma list of sizes estimated under FakeTensorMode + MemTracker (nothing allocated; "
+                         "sizes also measured are checked against the real peaks); '' for none")
+    ap.add_argument("--estimate-optimizers", default="adamw,swan_ddagger,swan_ddagger+sign,swan_ddagger@backward,"
+                    "swan_ddagger+sign@backward,muon,sgd")
+    ap.add_argument("--estimate-child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--save", help="write the raw results (measured and estimated) to this JSON file")
+    ap.add_argument("--load", default="", help="comma list of JSON files from --save: report them (no run)")
     ap.add_argument("--child", help=argparse.SUPPRESS)  # SIZE:OPTIMIZER, measured in this process
     ap.add_argument("--child-out", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -423,16 +541,35 @@ def main() -> None:
         ap.error(f"--skip takes SIZE:OPTIMIZER pairs, got {bad}")
     t0 = time.perf_counter()
     results = []
+    estimates = []
+    for path in [p for p in args.load.split(",") if p]:
+        with open(path) as f:
+            saved = json.load(f)
+        results += saved["results"]
+        estimates += saved["estimates"]
+    sizes = [] if args.load else sizes
     for size in sizes:
         for name in names:
             if (size, name) in args.skip_pairs:
                 continue
             r = _run_child(size, name, args)
             results.append(r)
+            _save(args.save, results, estimates)
             print(f"[{size} {name}] resident peak {_mib(r['peak_rss'])} MiB, tensors peak "
                   f"{_mib(r.get('peak', {}).get('Total'))} MiB, step {r['step_s']:.1f} s, "
                   f"subprocess {r['wall_s']:.0f} s", file=sys.stderr, flush=True)
-    text = report(results, args)
+    for size in [] if args.load else [s for s in args.estimate.split(",") if s]:
+        for name in [n for n in args.estimate_optimizers.split(",") if n]:
+            try:
+                r = _run_child(size, name, args, estimate=True)
+            except subprocess.CalledProcessError as e:  # (an optimizer that cannot run on fake tensors)
+                print(f"[estimate {size} {name}] failed: {e}", file=sys.stderr, flush=True)
+                continue
+            estimates.append(r)
+            _save(args.save, results, estimates)
+            print(f"[estimate {size} {name}] tensors peak {_mib(r['peak'].get('Total'))} MiB, "
+                  f"subprocess {r['wall_s']:.0f} s", file=sys.stderr, flush=True)
+    text = report(results, args) + estimate_report(estimates, results)
     print(text)
     print(f"\n(total {time.perf_counter() - t0:.0f} s)", file=sys.stderr)
     if not args.no_write:
