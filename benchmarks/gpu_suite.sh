@@ -14,6 +14,8 @@
 #      then the CPU run's default model (log only, for comparison with the CPU section);
 #   c. benchmarks/whitening.py (swan_update vs its GEMMs, fp32 and bf16);
 #   d. benchmarks/cuda_numerics.py (SWAN's math and one optimizer step on the GPU vs fp64/CPU);
+#   memory_cuda. benchmarks/memory.py --device cuda: peak allocated/reserved per optimizer, LLaMA 1.3B and
+#      7B in bf16 at batch 1 (writes `memory-cuda`; without CUDA a tiny CPU run instead, nothing written);
 #   e. with a Megatron-LM checkout carried in .mlm/ (pretrain_gpt.py, megatron/; git-ignored):
 #      pretrain_gpt.py --optimizer swan end to end on NCCL (bf16, distributed optimizer, save + resume).
 # Logs, docs/benchmarks.md (with the sections written here) and a summary go to $OUT (the device
@@ -113,6 +115,12 @@ step whitening 90 $PY benchmarks/whitening.py "${NOWRITE[@]}"
 step megatron 120 $PY -m torch.distributed.run --standalone --nproc-per-node 1 benchmarks/megatron.py "${BIG[@]}" \
     "${NOWRITE[@]}"
 step cuda_numerics 60 $PY benchmarks/cuda_numerics.py
+if [ "$CUDA" = 1 ]; then
+    step memory_cuda 240 $PY benchmarks/memory.py --device cuda --sizes 1b3,7b --size-timeout 115
+else
+    step memory_cuda 240 $PY benchmarks/memory.py --sizes small --optimizers adamw,swan_ddagger --estimate small \
+        --estimate-optimizers adamw,swan_ddagger --no-write
+fi
 
 # Megatron-LM end to end (when a checkout is carried in .mlm/: pretrain_gpt.py and megatron/ of tag
 # core_v0.16.1): bf16, the distributed optimizer, NCCL; a torch_dist checkpoint at iteration 20 of 40,

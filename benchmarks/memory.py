@@ -124,17 +124,17 @@ def _build_fake(size: str):
     return model, cfg
 
 
-def _build(size: str):
-    """The reference LLaMA of ``size`` in bf16, built on ``meta`` and materialised on the CPU in place:
+def _build(size: str, device: str = "cpu"):
+    """The reference LLaMA of ``size`` in bf16, built on ``meta`` and materialised on ``device`` in place:
     no fp32 copy and no second copy of any weight is ever made."""
     from swan_dist.reference.model import Llama, rope_tables
 
     cfg = _config(size)
     with torch.device("meta"):
         model = Llama(cfg).to(torch.bfloat16)
-    model.to_empty(device="cpu")
+    model.to_empty(device=device)
     cos, sin = rope_tables(cfg.dim // cfg.n_heads, cfg.max_seq_len)
-    model.rope_cos, model.rope_sin = cos, sin  # the constant tables, fp32 as the model keeps them
+    model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)  # the constant tables, fp32 as the model keeps them
     torch.manual_seed(0)
     model.reset_parameters()
     return model, cfg
@@ -224,6 +224,101 @@ def child_estimate(size: str, name: str, args) -> dict:
         out = {"size": size, "optimizer": name, "params": n_params, "estimate": True, "seq": args.seq}
         out.update(_tracked(model, opts, step, 1))
     return out
+
+
+def child_cuda(size: str, names: list[str], args, path: str) -> None:
+    """On one GPU, per optimizer (one after another in this process, the caching allocator emptied
+    between): ``torch.cuda.max_memory_allocated`` (live tensor bytes) and ``max_memory_reserved`` (what
+    the caching allocator held) over the measured steps, reset after the warm-up. Written to ``path``
+    after each optimizer (a run cut short keeps what it measured)."""
+    rows = []
+    for name in names:
+        model, cfg = _build(size, "cuda")
+        opts = _optimizers(name, model)
+        n_params = sum(p.numel() for p in model.parameters())
+        g = torch.Generator().manual_seed(1)
+        tokens = torch.randint(0, cfg.vocab_size, (1, args.seq + 1), generator=g).cuda()
+        x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+        def step() -> None:
+            model(x, y)[1].backward()
+            for o in opts:
+                o.step()
+            for o in opts:
+                o.zero_grad(set_to_none=True)
+
+        try:
+            for _ in range(args.warmup):
+                step()
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+            between = torch.cuda.memory_allocated()
+            t0 = time.perf_counter()
+            for _ in range(args.steps):
+                step()
+            torch.cuda.synchronize()
+            rows.append({"size": size, "optimizer": name, "params": n_params, "between": between,
+                         "allocated": torch.cuda.max_memory_allocated(), "reserved": torch.cuda.max_memory_reserved(),
+                         "step_s": (time.perf_counter() - t0) / args.steps})
+        except torch.OutOfMemoryError as e:
+            rows.append({"size": size, "optimizer": name, "params": n_params, "oom": str(e)[:200]})
+        del model, opts, step
+        gc.collect()
+        torch.cuda.empty_cache()
+        with open(path, "w") as f:
+            json.dump(rows, f)
+        print(f"[cuda {size} {name}] {rows[-1]}", file=sys.stderr, flush=True)
+
+
+def cuda_report(rows: list[dict], args) -> str:
+    name = torch.cuda.get_device_name(0)
+    lines = [
+        f"One {name}, torch {torch.__version__}; the reference LLaMA at the paper's shapes, bf16 weights (no fp32 "
+        f"master copy, no autocast), batch 1 x {args.seq} tokens; per size one process, the optimizers one after "
+        f"another (the caching allocator emptied between): {args.warmup} warm-up steps, then the peaks reset and "
+        f"{args.steps} measured step(s). *allocated*: `torch.cuda.max_memory_allocated` (live tensor bytes, "
+        "the counterpart of MemTracker's peak); *reserved*: `max_memory_reserved` (what the caching allocator "
+        "held: the counterpart of the resident peak); *between steps*: allocated before the measured step "
+        "(parameters and optimizer state). MiB = 2^20 bytes; ratios over AdamW (foreach) at the same size.",
+        "",
+        "| model | optimizer | allocated peak (MiB) | vs AdamW | reserved peak (MiB) | vs AdamW | between steps (MiB) "
+        "| step (s) |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    base = {r["size"]: r for r in rows if r["optimizer"] == "adamw" and "allocated" in r}
+    for r in rows:
+        b = base.get(r["size"], {})
+        if "oom" in r:
+            lines.append(f"| {r['size']} | {OPTIMIZERS[r['optimizer']]} | out of memory | - | - | - | - | - |")
+            continue
+        lines.append(f"| {r['size']} | {OPTIMIZERS[r['optimizer']]} | {_mib(r['allocated'])} | "
+                     f"{_ratio(r['allocated'], b.get('allocated'))} | {_mib(r['reserved'])} | "
+                     f"{_ratio(r['reserved'], b.get('reserved'))} | {_mib(r['between'])} | {r['step_s']:.2f} |")
+    return "\n".join(lines)
+
+
+def main_cuda(args) -> None:
+    """``--device cuda``: the single-GPU table (a child process per size)."""
+    if not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device here")
+    rows: list[dict] = []
+    for size in [s for s in args.sizes.split(",") if s]:
+        with tempfile.TemporaryDirectory() as d:
+            path = os.path.join(d, "rows.json")
+            cmd = [sys.executable, os.path.abspath(__file__), "--device", "cuda", "--child", f"{size}:{args.optimizers}",
+                   "--child-out", path, "--seq", str(args.seq), "--steps", str(args.steps), "--warmup", str(args.warmup)]
+            try:
+                subprocess.run(cmd, check=True, timeout=args.size_timeout)
+            except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as e:
+                print(f"[cuda {size}] stopped: {e}", file=sys.stderr, flush=True)
+            if os.path.exists(path):
+                with open(path) as f:
+                    rows += json.load(f)
+    text = cuda_report(rows, args)
+    print(text)
+    if not args.no_write and rows:
+        write_section("memory-cuda", "Memory (CUDA): peak per step, single GPU", text)
 
 
 def child(size: str, name: str, args) -> dict:
@@ -454,6 +549,66 @@ def _transient(r: dict) -> int:
     return max(0, r["peak"].get("Optstate", 0) - r["after"].get("Optstate", 0))
 
 
+def transient_bound(size: str, fallback: str) -> dict:
+    """The bound of docs/engine.md ("Memory a step adds", one process) on the ordinary step's transient for
+    the model of ``size`` (bf16 gradients and weights), SWAN‡ (NSDS: two s x s buffers per matrix) with
+    ``fallback``, the whitening dtype ``auto`` resolves to here, the CPU's stack budget. Bytes."""
+    from swan_dist.functional import WhitenConfig, resolve_dtype
+    from swan_dist.whitening import _CPU_BATCH_BYTES
+    from swan_dist.rules.fallback import _SIGN_CPU_BYTES
+
+    cfg = _config(size)
+    w = torch.empty((), dtype=resolve_dtype(WhitenConfig(method="nsds"), torch.device("cpu"))).element_size()
+    g = p = 2  # bf16 gradients and weights
+    shapes = {(cfg.dim, cfg.dim): 4 * cfg.n_layers, (cfg.ffn_dim, cfg.dim): 2 * cfg.n_layers,
+              (cfg.dim, cfg.ffn_dim): cfg.n_layers}  # wq wk wv wo; w1 w3; w2 (out, in)
+    worst = 0
+    for (m, n), count in shapes.items():
+        k = min(count, max(1, _CPU_BATCH_BYTES // (4 * m * n)))
+        s = min(m, n)
+        per = k * m * n * ((g if k > 1 else 0) + 2 * w + 4 + p) + 2 * k * s * s * max(w, 4)
+        worst = max(worst, per)
+    fb = 0 if fallback == "adamw" else min(_SIGN_CPU_BYTES, 2 * cfg.vocab_size * cfg.dim * g)
+    return {"whitening": worst, "fallback": fb, "total": max(worst, fb), "whiten_bytes": w}
+
+
+def transient_check(results: list[dict]) -> list[str]:
+    """The ordinary SWAN‡ step's transient two ways against the stated bound and against 3 % of AdamW's
+    peak: MemTracker's step transient, and (its peak) - (SGD's peak) - (the fallback's state)."""
+    rows = {(r["size"], r["optimizer"]): r for r in results}
+    lines = []
+    for size in dict.fromkeys(r["size"] for r in results):
+        adam, sgd = rows.get((size, "adamw")), rows.get((size, "sgd"))
+        for name, fallback in (("swan_ddagger", "adamw"), ("swan_ddagger+sign", "sign")):
+            r = rows.get((size, name))
+            if not (r and adam and sgd):
+                continue
+            bound = transient_bound(size, fallback)
+            state = r.get("after", {}).get("Optstate", 0)
+            rss = r["peak_rss"] - sgd["peak_rss"] - state
+            cells = [f"| {size} | {OPTIMIZERS[name]} | {_mib(bound['total'])}"]
+            if "peak" in r and "peak" in sgd:
+                tens = r["peak"]["Total"] - sgd["peak"]["Total"] - state
+                cells.append(f"{_mib(_transient(r))} | {_mib(tens)} | {tens / adam['peak']['Total']:.1%}")
+            else:
+                cells.append("- | - | -")
+            cells.append(f"{_mib(rss)} | {rss / adam['peak_rss']:.1%} |")
+            lines.append(" | ".join(cells))
+    if not lines:
+        return []
+    return ["", "**The ordinary step's transient against its bound** (docs/engine.md, \"Memory a step adds\", one "
+            "process: per stack of k same-shape m x n matrices at most k·m·n·(2w + 4 + 2, plus 2 for the stack's "
+            "copy when k > 1) + 2·k·s²·max(w, 4) bytes, k·m·n·4 within the CPU's 16 MiB stack budget or k = 1, "
+            "w the whitening dtype's size; the sign fallback's signs at most 16 MiB at a time). *measured*: "
+            "MemTracker's step transient; *peak − SGD − state*: the goal's measure (SWAN‡'s peak less SGD's and "
+            "less the fallback's state), on tensors and on resident memory, and its share of AdamW's peak "
+            "(goal: under 3 %).",
+            "",
+            "| model | optimizer | bound (MiB) | measured (MiB) | tensors: peak − SGD − state (MiB) | of AdamW "
+            "| resident: peak − SGD − state (MiB) | of AdamW |",
+            "|---|---|---:|---:|---:|---:|---:|---:|"] + lines
+
+
 def estimate_report(estimates: list[dict], results: list[dict]) -> str:
     """The estimated table, each estimate checked against the real run of the same size and optimizer."""
     if not estimates:
@@ -516,11 +671,22 @@ def main() -> None:
     ap.add_argument("--estimate-optimizers", default="adamw,swan_ddagger,swan_ddagger+sign,swan_ddagger@backward,"
                     "swan_ddagger+sign@backward,muon,sgd")
     ap.add_argument("--estimate-child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                    help="cuda: the single-GPU table (torch.cuda.max_memory_allocated / max_memory_reserved), "
+                         "e.g. --device cuda --sizes 1b3,7b")
+    ap.add_argument("--size-timeout", type=float, default=110.0, help="--device cuda: seconds per size at most")
     ap.add_argument("--save", help="write the raw results (measured and estimated) to this JSON file")
     ap.add_argument("--load", default="", help="comma list of JSON files from --save: report them (no run)")
     ap.add_argument("--child", help=argparse.SUPPRESS)  # SIZE:OPTIMIZER, measured in this process
     ap.add_argument("--child-out", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.device == "cuda" and args.child:
+        size, names = args.child.split(":", 1)
+        child_cuda(size, [n for n in names.split(",") if n], args, args.child_out)
+        return
+    if args.device == "cuda":
+        main_cuda(args)
+        return
     if args.child:
         size, name = args.child.split(":", 1)
         result = child(size, name, args)
@@ -569,7 +735,7 @@ def main() -> None:
             _save(args.save, results, estimates)
             print(f"[estimate {size} {name}] tensors peak {_mib(r['peak'].get('Total'))} MiB, "
                   f"subprocess {r['wall_s']:.0f} s", file=sys.stderr, flush=True)
-    text = report(results, args) + estimate_report(estimates, results)
+    text = report(results, args) + "\n".join(transient_check(results)) + estimate_report(estimates, results)
     print(text)
     print(f"\n(total {time.perf_counter() - t0:.0f} s)", file=sys.stderr)
     if not args.no_write:
