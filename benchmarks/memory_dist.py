@@ -86,45 +86,6 @@ def _optimizer(variant: str, model, bucket_mb: float):
                           step_in_backward=variant == "backward")
 
 
-def schedule_bound(exchange, stack_bytes: int, flush_bytes: int) -> dict[str, int]:
-    """This rank's bound on the bytes a step's exchange adds (docs/engine.md, "Memory a step adds"), from
-    its schedule: over consecutive phases k-1, k, k+1 (phase k computed while k+1's gradients and k-1's
-    updates travel), the largest of P_k (phase k's full fp32 matrices this rank computes) + the gradient
-    buffers of k and k+1 (received and sent) + the update buffers of k-1 and k (sent and received) + the
-    whitening workspace of one stack (3 x its bytes) + the updates held before they are applied."""
-    steps = exchange.steps
-    size = {st_i: st.dtype.itemsize if hasattr(st.dtype, "itemsize") else torch.empty(0, dtype=st.dtype).element_size()
-            for st_i, st in enumerate(steps)}
-
-    def full(st) -> int:
-        return sum(4 * len(ms) * exchange.plan.specs[ms[0]].numel for ms in st.stacks)
-
-    def largest_stack(st) -> int:
-        return max((4 * len(ms) * exchange.plan.specs[ms[0]].numel for ms in st.stacks), default=0)
-
-    def grads(k) -> int:
-        if not 0 <= k < len(steps):
-            return 0
-        st = steps[k]
-        return size[k] * (sum(st.grads.send) + sum(st.grads.recv))
-
-    def updates(k) -> int:
-        if not 0 <= k < len(steps):
-            return 0
-        st = steps[k]
-        return size[k] * (sum(st.updates.send) + sum(st.updates.recv))
-
-    best = {"total": 0}
-    for k, st in enumerate(steps):
-        parts = {"matrices": full(st), "grad_buffers": grads(k) + grads(k + 1),
-                 "update_buffers": updates(k - 1) + updates(k), "workspace": 3 * min(largest_stack(st), max(
-                     stack_bytes, largest_stack(st))), "pending": flush_bytes}
-        parts["total"] = sum(parts.values())
-        if parts["total"] > best["total"]:
-            best = parts
-    return best
-
-
 def _categories(snapshot: dict) -> dict[str, int]:
     dev = snapshot.get(torch.device("cpu"), {})
     return {getattr(k, "value", str(k)): int(v) for k, v in dev.items()}
@@ -193,7 +154,7 @@ def _rank(rank: int, world: int, layout: str, variant: str, args) -> dict:
 
         ex = next(iter(opt._memos.values())).plans.last if opt._memos else None
         if ex is not None:
-            out["bound"] = schedule_bound(ex, whitening._CPU_EXCHANGE_STACK_BYTES, whitening._CPU_PASS_BYTES)
+            out["bound"] = ex.transient_bound(whitening._CPU_PASS_BYTES)
             out["bucket_mb"] = args.bucket_mb
     state = 0
     for st in opt.state.values():
@@ -280,15 +241,15 @@ def report(rows: list[dict], sweep: list[dict], args) -> tuple[str, list[str]]:
     if sweep:
         lines += ["", "The transient against the bound, FSDP2 owner mode, per `bucket_mb` (the largest rank; "
                   "parts of that rank's bound: assembled fp32 matrices of a phase, gradient and update buffers of "
-                  "the phases in flight, one stack's whitening workspace, updates held before they are applied):", "",
+                  "the phases in flight, one stack's whitening workspace, update pieces held before they are applied):", "",
                   "| W | bucket_mb | measured MiB | bound MiB | measured / bound | matrices | grad buffers "
-                  "| update buffers | workspace | pending |", "|---|---|---|---|---|---|---|---|---|---|"]
+                  "| update buffers | workspace | held |", "|---|---|---|---|---|---|---|---|---|---|"]
         for r in sweep:
             b = r["bound"]
             ratio = r["transient"] / b["total"]
             lines.append(f"| {r['world']} | {r['bucket_mb']:g} | {r['transient'] / MiB:,.1f} | {b['total'] / MiB:,.1f} "
                          f"| {ratio:.2f} | {b['matrices'] / MiB:,.1f} | {b['grad_buffers'] / MiB:,.1f} "
-                         f"| {b['update_buffers'] / MiB:,.1f} | {b['workspace'] / MiB:,.1f} | {b['pending'] / MiB:,.1f} |")
+                         f"| {b['update_buffers'] / MiB:,.1f} | {b['workspace'] / MiB:,.1f} | {b['held'] / MiB:,.1f} |")
             checks.append(f"bound W={r['world']} bucket_mb={r['bucket_mb']:g}: measured/bound {ratio:.2f} "
                           f"{'OK' if ratio <= 1.10 else 'VIOLATED'} (<= 1.10)")
     by = {(r["layout"], r["world"], r["variant"]): r for r in rows}
@@ -338,6 +299,8 @@ def main() -> None:
         for b in [float(x) for x in args.sweep.split(",") if x]:
             ranks = measure("fsdp2", "owner", w, args, bucket_mb=b)
             sweep.append(max(ranks, key=lambda r: r["transient"] / r["bound"]["total"]))
+    with open(os.path.join(tempfile.gettempdir(), "memory_dist_raw.json"), "w") as f:
+        json.dump({"rows": rows, "sweep": sweep}, f)  # the measurements, before anything can fail
     text, checks = report(rows, sweep, args)
     print(text)
     if not args.no_write:
