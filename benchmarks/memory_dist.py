@@ -274,6 +274,37 @@ def report(rows: list[dict], sweep: list[dict], args) -> tuple[str, list[str]]:
     return "\n".join(lines), checks
 
 
+def estimates_report(est: list[dict], rows: list[dict], args) -> tuple[str, list[str]]:
+    """The estimated table (benchmarks/memory_estimate.py) and its check against the real rows."""
+    lines = ["", f"Estimated, FSDP2 (fake process group, rank 0 of W traced under `FakeTensorMode` with "
+             "`FSDPMemTracker`; SWAN's step added as its bound from the plan the engine builds for the same "
+             f"matrices and rows, see benchmarks/memory_estimate.py), bf16, batch 1 x {args.seq} tokens per rank, "
+             f"`bucket_mb={args.bucket_mb:g}`; LLaMA 7B and 70B shapes with full multi-head attention (the reference "
+             "model has no grouped-query heads), 32k vocabulary. GiB per rank:", "",
+             "| shape | W | AdamW peak | AdamW state | SWAN‡ owner peak | owner bound (busiest owner) | buckets "
+             "| SWAN‡ replicated peak | replicated bound | owner / AdamW |", "|---|---|---|---|---|---|---|---|---|---|"]
+    checks = []
+    G = 2**30
+    real = {(r["world"], r["variant"]): r for r in rows if r["layout"] == "fsdp2"}
+    for e in est:
+        a, o, rp = e["adamw"], e["owner"], e.get("replicated")
+        lines.append(f"| {e['size']} | {e['world']:,} | {a['peak']['Total'] / G:,.2f} | {a['state'] / G:,.2f} "
+                     f"| {o['peak'] / G:,.2f} | {o['bound'] / G:,.3f} | {o['bounds']['buckets']} "
+                     f"| {rp['peak'] / G:,.2f} | {rp['bound'] / G:,.3f} | {o['peak'] / a['peak']['Total']:.2f} |")
+        if e["size"] in ("7b", "70b"):
+            limit = a["peak"]["Total"] - a["state"] + o["bound"]
+            checks.append(f"estimated {e['size']} W={e['world']}: owner peak {o['peak'] / G:,.2f} GiB <= AdamW peak - "
+                          f"AdamW state + bound = {limit / G:,.2f} GiB: {'OK' if o['peak'] <= limit else 'NOT MET'}")
+        for name, variant in (("AdamW", "adamw"), ("SWAN‡ owner", "owner")):
+            r = real.get((e["world"], variant))
+            if e["size"] == args.size and r is not None:
+                value = a["peak"]["Total"] if variant == "adamw" else o["peak"]
+                checks.append(f"estimate against the real run, {args.size} W={e['world']} {name}: estimated "
+                              f"{value / MiB:,.0f} MiB, measured {r['peak_total'] / MiB:,.0f} MiB live, ratio "
+                              f"{value / r['peak_total']:.2f}")
+    return "\n".join(lines), checks
+
+
 def _largest(ranks: list[dict]) -> dict:
     return max(ranks, key=lambda r: r["peak_total"])
 
@@ -287,21 +318,40 @@ def main() -> None:
     p.add_argument("--bucket-mb", dest="bucket_mb", type=float, default=256.0)
     p.add_argument("--sweep", default="4,16,64", help="bucket_mb values of the transient sweep (FSDP2 owner mode)")
     p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--estimate", default="7b,70b", help="shapes estimated on the fake process group ('' for none)")
+    p.add_argument("--estimate-worlds", default="8,64,1024")
+    p.add_argument("--from-json", default=None, help="report measurements saved by an earlier run instead of measuring")
     p.add_argument("--no-write", action="store_true")
     args = p.parse_args()
     worlds = [int(w) for w in args.worlds.split(",")]
-    rows, sweep = [], []
-    for layout in args.layouts.split(","):
+    rows, sweep, est = [], [], []
+    saved = json.load(open(args.from_json)) if args.from_json else None
+    for layout in args.layouts.split(",") if saved is None else ():
         for w in worlds:
             for v in LAYOUT_VARIANTS[layout]:
                 rows.append(_largest(measure(layout, v, w, args)))
-    for w in worlds:
+    for w in worlds if saved is None else ():
         for b in [float(x) for x in args.sweep.split(",") if x]:
             ranks = measure("fsdp2", "owner", w, args, bucket_mb=b)
             sweep.append(max(ranks, key=lambda r: r["transient"] / r["bound"]["total"]))
+    if saved is not None:
+        rows, sweep, est = saved["rows"], saved["sweep"], saved.get("estimates", [])
     with open(os.path.join(tempfile.gettempdir(), "memory_dist_raw.json"), "w") as f:
-        json.dump({"rows": rows, "sweep": sweep}, f)  # the measurements, before anything can fail
+        json.dump({"rows": rows, "sweep": sweep, "estimates": est}, f)  # before anything can fail
+    if args.estimate and not est:
+        from memory_estimate import estimate
+
+        for size in [args.size] + args.estimate.split(","):
+            for w in (worlds if size == args.size else [int(x) for x in args.estimate_worlds.split(",")]):
+                t0 = time.perf_counter()
+                est.append(estimate(size, w, args.seq, args.bucket_mb))
+                print(f"estimated {size} W={w} [{time.perf_counter() - t0:.0f} s]", flush=True)
+                with open(os.path.join(tempfile.gettempdir(), "memory_dist_raw.json"), "w") as f:
+                    json.dump({"rows": rows, "sweep": sweep, "estimates": est}, f)
     text, checks = report(rows, sweep, args)
+    if est:
+        more, more_checks = estimates_report(est, rows, args)
+        text += "\n" + more + "\n\nChecks of the estimates:\n\n" + "\n".join(f"- {c}" for c in more_checks)
     print(text)
     if not args.no_write:
         write_section("memory-dist", "Memory, distributed", text)
