@@ -253,6 +253,20 @@ def report(rows: list[dict], sweep: list[dict], args) -> tuple[str, list[str]]:
             checks.append(f"bound W={r['world']} bucket_mb={r['bucket_mb']:g}: measured/bound {ratio:.2f} "
                           f"{'OK' if ratio <= 1.10 else 'VIOLATED'} (<= 1.10)")
     by = {(r["layout"], r["world"], r["variant"]): r for r in rows}
+    reading = []
+    for layout in ("fsdp2", "ddp"):
+        for w in sorted({r["world"] for r in rows}):
+            a = by.get((layout, w, "adamw"))
+            if not a:
+                continue
+            parts = [f"{VARIANTS[v]} {by[(layout, w, v)]['peak_total'] / a['peak_total']:.2f}x live, "
+                     f"{by[(layout, w, v)]['rss_peak'] / a['rss_peak']:.2f}x resident"
+                     for v in LAYOUT_VARIANTS[layout][1:] if (layout, w, v) in by]
+            reading.append(f"{layout.upper()} W={w}, against AdamW: " + "; ".join(parts) + ".")
+    if reading:
+        lines += ["", "Reading: " + " ".join(reading) + " The transient a SWAN step adds stays under its bound "
+                  "(measured / bound in the table); under DDP MemTracker does not see the reducer's gradient buckets "
+                  "(allocated by DDP's C++ reducer before the tracker starts), which the resident peak counts."]
     for w in sorted({r["world"] for r in rows}):
         a, o, bw = by.get(("fsdp2", w, "adamw")), by.get(("fsdp2", w, "owner")), by.get(("fsdp2", w, "backward"))
         if a and o and "bound" in o:

@@ -12,6 +12,10 @@ from dist_utils import run_distributed
 BUCKETS_MB = (0.1, 2.0)
 
 
+def _transients(rank: int, world: int) -> list[tuple[int, dict[str, int], int]]:
+    return [_transient(rank, world, b) for b in BUCKETS_MB]
+
+
 def _transient(rank: int, world: int, bucket_mb: float) -> tuple[int, dict[str, int], int]:
     from torch.distributed._tools.mem_tracker import MemTracker
     from torch.distributed.device_mesh import init_device_mesh
@@ -49,12 +53,14 @@ def _transient(rank: int, world: int, bucket_mb: float) -> tuple[int, dict[str, 
 
 def test_owner_step_transient_within_bound():
     bounds = {}
-    for bucket_mb in BUCKETS_MB:
-        for rank, (measured, bound, buckets) in enumerate(run_distributed(_transient, 2, bucket_mb)):
+    per_rank = run_distributed(_transients, 2)
+    for i, bucket_mb in enumerate(BUCKETS_MB):
+        for rank, (measured, bound, buckets) in enumerate(r[i] for r in per_rank):
             assert measured > 0, "nothing measured: the tracker saw no allocation in the step"
             assert measured <= 1.10 * bound["total"], (
                 f"rank {rank}, bucket_mb={bucket_mb}: the step added {measured} bytes, over its bound {bound}")
             bounds.setdefault(bucket_mb, []).append((bound["total"], buckets))
+            print(f"bucket_mb={bucket_mb} rank {rank}: {measured} bytes added, bound {bound['total']} ({buckets} buckets)")
     small, large = (max(bounds[b]) for b in BUCKETS_MB)
     assert small[1] > large[1], "the smaller bucket_mb should cut the matrices into more buckets"
     assert small[0] < large[0], "the bound should shrink with bucket_mb"
