@@ -42,7 +42,7 @@ def _cats(snapshot) -> dict[str, int]:
     return {getattr(k, "value", str(k)): int(v) for k, v in snapshot.get(torch.device("cpu"), {}).items()}
 
 
-LAYERS = (2, 4)  # traced depths; every figure is extrapolated linearly in the number of blocks
+LAYERS = (4, 6)  # traced depths (past the blocks in flight at once); figures extrapolated linearly in the blocks
 
 
 def traced(size: str, world: int, optimizer: str, seq: int) -> dict:
