@@ -49,7 +49,44 @@ class Exchange:
         self.bytes_sent = 0  # by this rank, both directions, since construction
         self.failure: BaseException | None = None  # what failed here in the last run (see run)
         self._mine = list(plan.ranges[rank])  # this rank's (lo, hi) per matrix
+        self.stack_bytes = stack_bytes
         self.steps = build_steps(plan, rank, self.dtypes, stack_bytes, phase_bytes, max_phases)
+
+    def transient_bound(self, held_bytes: int = 0) -> dict[str, int]:
+        """The bytes a step of this plan adds on this rank at most (docs/engine.md, "Memory a step adds"),
+        from its schedule, with its parts at the phase where the sum is largest: phase k's stacks of full
+        fp32 matrices (``matrices``); the gradient buffers (sent and received) of phases k and k+1, whose
+        transfer is in flight while k is computed (``grad_buffers``); the update buffers of phases k-1 and k
+        (``update_buffers``); one stack's whitening workspace, 3x the stack plus two fp32 Grams per matrix
+        (``workspace``); and ``held_bytes`` of update pieces held before they are applied, with the stack
+        update they are views of (``held``)."""
+        plan, steps = self.plan, self.steps
+
+        def stack(ms: list[int]) -> int:
+            return 4 * len(ms) * plan.specs[ms[0]].numel
+
+        def gram(ms: list[int]) -> int:
+            return 4 * len(ms) * min(plan.specs[ms[0]].shape) ** 2
+
+        def moved(k: int, grads: bool) -> int:
+            if not 0 <= k < len(steps):
+                return 0
+            st = steps[k]
+            splits = st.grads if grads else st.updates
+            return st.dtype.itemsize * (sum(splits.send) + sum(splits.recv))
+
+        best = {"total": 0}
+        for k, st in enumerate(steps):
+            largest = max((stack(ms) for ms in st.stacks), default=0)
+            parts = {"matrices": sum(stack(ms) for ms in st.stacks),
+                     "grad_buffers": moved(k, True) + moved(k + 1, True),
+                     "update_buffers": moved(k - 1, False) + moved(k, False),
+                     "workspace": max((3 * stack(ms) + 2 * gram(ms) for ms in st.stacks), default=0),
+                     "held": held_bytes + largest if st.stacks else 0}
+            parts["total"] = sum(parts.values())
+            if parts["total"] > best["total"]:
+                best = parts
+        return best
 
     def _start(self, inp: Tensor | list[Tensor], splits: Splits, dtype: torch.dtype,
                moves: bool) -> tuple[Transfer | None, Tensor]:
