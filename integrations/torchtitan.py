@@ -37,6 +37,8 @@ This module imports torchtitan at import time: import it only where torchtitan i
 
 from __future__ import annotations
 
+import hashlib
+
 import torch
 import torch.distributed as dist
 from dataclasses import dataclass, field
@@ -82,15 +84,17 @@ def non_pp_group(model_parts: list[nn.Module]) -> dist.ProcessGroup | None:
     names = tuple(sorted(n for m in model_parts for n, p in m.named_parameters() if p.requires_grad))
     meshes = {tuple(p.device_mesh.mesh.flatten().tolist()) for m in model_parts for p in m.parameters()
               if isinstance(p, DTensor)}
+    key = hashlib.sha256("\n".join(names).encode()).hexdigest()  # the same in every process
     gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, hash(names))
-    ranks = [r for r, h in enumerate(gathered) if h == hash(names)]
+    dist.all_gather_object(gathered, key)
+    ranks = [r for r, h in enumerate(gathered) if h == key]
     if len(ranks) == dist.get_world_size():
         return None
     for mesh in meshes:  # a DTensor's mesh cannot reach beyond the ranks holding the same names
         if not set(mesh) <= set(ranks):
             raise ValueError(f"swan_dist: a parameter's mesh {list(mesh)} spans ranks holding other parameters "
-                             f"({ranks} hold this rank's); SWAN cannot tell its group")
+                             f"(ranks {ranks} hold this rank's); SWAN cannot tell its process group: give the "
+                             "model parts of one pipeline stage the same parameters on every rank of its mesh")
     # every rank builds every group, in one order (new_subgroups_by_enumeration requires it)
     groups = sorted({tuple(r for r, h in enumerate(gathered) if h == key) for key in gathered})
     mine, _ = dist.new_subgroups_by_enumeration([list(g) for g in groups])

@@ -34,6 +34,9 @@ def _cpu(config):
     config.metrics.log_freq = 1
     config.checkpoint = CheckpointManager.Config(enable=True, interval=1000, last_save_model_only=False)
     config.debug.seed = 0
+    # torchtitan 0.3.0's default "spmd_types" backend fails in torch 2.13's fully_shard ("When dp_mesh_dims is
+    # provided, all parameters must be DTensors on the full SPMD mesh"); DTensor on the model-parallel axes runs
+    config.parallelism.spmd_backend = "partial_dtensor"
     return config
 
 

@@ -8,7 +8,8 @@ tokenizer and data set that :func:`make_assets` writes.
     torchrun --nproc_per_node 2 tests/torchtitan_harness.py --module torchtitan_configs --config llama3_swan \
         --checkpoint.folder /tmp/x ...
 
-Environment: ``SWAN_TT_ASSETS`` the assets folder (made if missing).
+Several jobs run one after the other in one launch when their argument lists are separated by ``---``.
+Environment: ``SWAN_TT_ASSETS`` the assets folder (:func:`make_assets`).
 """
 
 from __future__ import annotations
@@ -89,18 +90,73 @@ def make_assets(folder: str, seq_len: int) -> None:
             f.write(json.dumps({"text": texts[d % 2]}) + "\n")
 
 
+def ensure_assets(seq_len: int = 16) -> None:
+    """Make the assets in ``SWAN_TT_ASSETS`` if they are missing (local rank 0 writes, the others wait)."""
+    import time
+    folder = os.environ["SWAN_TT_ASSETS"]
+    done = os.path.join(folder, "done")
+    if os.path.exists(done):
+        return
+    if os.environ.get("LOCAL_RANK", "0") == "0":
+        make_assets(folder, seq_len)
+        open(done, "w").close()
+    while not os.path.exists(done):
+        time.sleep(0.2)
+
+
+def pipeline_microbatch_step() -> None:
+    """torchtitan 0.3.0 calls ``schedule.step(arg_mbs=, kwarg_mbs=, target_mbs=, ...)`` with the microbatches
+    already split (a newer torch's signature); torch 2.13.0's ``step`` splits a whole batch itself. Where the
+    installed torch lacks it, the split microbatches go straight to the schedule's ``_step_microbatches``."""
+    import inspect
+    from torch.distributed.pipelining import schedules
+
+    for cls in (schedules.PipelineScheduleSingle, schedules.PipelineScheduleMulti):
+        if "arg_mbs" in inspect.signature(cls.step).parameters:
+            continue
+        whole = cls.step
+
+        def step(self, *args, whole=whole, arg_mbs=None, kwarg_mbs=None, target_mbs=None, losses=None,
+                 return_outputs=True, loss_kwargs=None, **kwargs):
+            if kwarg_mbs is None and arg_mbs is None:
+                return whole(self, *args, losses=losses, return_outputs=return_outputs, loss_kwargs=loss_kwargs,
+                             **kwargs)
+            stages = getattr(self, "_stages", None) or [self._stage]
+            for stage in stages:
+                stage.has_backward = self._has_backward
+                stage.clear_runtime_states()
+            self._step_microbatches(arg_mbs, kwarg_mbs, target_mbs, losses, return_outputs, loss_kwargs=loss_kwargs)
+            return None
+        cls.step = step
+
+
 def main() -> None:
     cpu_device()
+    ensure_assets()
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     if not torch.cuda.is_available():
         import torchtitan.components.metrics as metrics
         metrics.build_device_memory_monitor = CpuMemoryMonitor
         from torchtitan.models.common.attention import FlexAttention
         FlexAttention.compiled_flex_attn = staticmethod(eager_flex_attention)
+        from torch.distributed.fsdp import FSDPModule
+        set_factor = FSDPModule.set_gradient_divide_factor
+
+        def set_factor_gloo(self, factor):  # a factor makes FSDP2 reduce with PREMUL_SUM, which gloo lacks
+            set_factor(self, factor)
+            self.set_force_sum_reduction_for_comms(True)  # SUM, then FSDP divides by the factor itself
+        FSDPModule.set_gradient_divide_factor = set_factor_gloo
+        pipeline_microbatch_step()
         import torchtitan.distributed.utils as dist_utils
         dist_utils.set_pg_timeouts = lambda *a, **k: None  # its barrier passes device_ids=["cpu"], gloo refuses
     from torchtitan.train import main as titan_main
-    titan_main()
+    # several jobs per launch (one import, one start-up): argument lists separated by "---", run in turn
+    argv, jobs = sys.argv[1:], [[]]
+    for a in argv:
+        jobs.append([]) if a == "---" else jobs[-1].append(a)
+    for job in jobs:
+        sys.argv = [sys.argv[0], *job]
+        titan_main()
 
 
 if __name__ == "__main__":
