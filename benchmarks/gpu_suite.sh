@@ -14,6 +14,8 @@
 #      then the CPU run's default model (log only, for comparison with the CPU section);
 #   c. benchmarks/whitening.py (swan_update vs its GEMMs, fp32 and bf16);
 #   d. benchmarks/cuda_numerics.py (SWAN's math and one optimizer step on the GPU vs fp64/CPU);
+#   d2. benchmarks/torchtitan.py --cuda: torchtitan's trainer at W=1, AdamW vs DistMuon vs SWAN step time and
+#      peak memory (writes `torchtitan-cuda`; soft: skipped where torchtitan, carried in .whl/, does not import);
 #   e. with a Megatron-LM checkout carried in .mlm/ (pretrain_gpt.py, megatron/; git-ignored):
 #      pretrain_gpt.py --optimizer swan end to end on NCCL (bf16, distributed optimizer, save + resume).
 # Logs, docs/benchmarks.md (with the sections written here) and a summary go to $OUT (the device
@@ -113,6 +115,9 @@ step whitening 90 $PY benchmarks/whitening.py "${NOWRITE[@]}"
 step megatron 120 $PY -m torch.distributed.run --standalone --nproc-per-node 1 benchmarks/megatron.py "${BIG[@]}" \
     "${NOWRITE[@]}"
 step cuda_numerics 60 $PY benchmarks/cuda_numerics.py
+# torchtitan at W=1: AdamW vs DistMuon vs SWAN (torchtitan and its pure-Python dependencies carried as wheels in
+# .whl/; prints a message and exits 0 where torchtitan does not import)
+step torchtitan_cuda 150 $PY benchmarks/torchtitan.py --cuda --steps 10 "${NOWRITE[@]}"
 
 # Megatron-LM end to end (when a checkout is carried in .mlm/: pretrain_gpt.py and megatron/ of tag
 # core_v0.16.1): bf16, the distributed optimizer, NCCL; a torch_dist checkpoint at iteration 20 of 40,

@@ -167,3 +167,29 @@ def test_init_optim_state_step_is_harmless_and_state_round_trips():
     fresh.load_state_dict(trained)
     for k, v in fresh.state_dict().items():
         assert (torch.equal(v, trained[k]) if isinstance(v, torch.Tensor) else v == trained[k]), k
+
+
+def test_documented_cpu_command_runs(tmp_path):
+    """docs/integrations/torchtitan.md's command (after ``<!-- torchtitan-command -->``) runs as written, with its
+    /tmp folders moved into this test's."""
+    import re
+    import shlex
+    root = os.path.dirname(HERE)
+    with open(os.path.join(root, "docs", "integrations", "torchtitan.md")) as f:
+        doc = f.read()
+    cmd = re.search(r"<!-- torchtitan-command -->\n```bash\n(.*?)\n```", doc, re.S).group(1)
+    cmd = cmd.replace("/tmp/swan_tt_assets", str(tmp_path / "assets")).replace("/tmp/swan_tt_run", str(tmp_path / "run"))
+    env_part, _, rest = cmd.partition(" python ")
+    argv = shlex.split(rest)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **dict(kv.split("=", 1) for kv in shlex.split(env_part))}
+    p = subprocess.run([sys.executable, *argv[:argv.index("--nproc_per_node")], "--master-port", str(_free_port()),
+                        *argv[argv.index("--nproc_per_node"):]], capture_output=True, text=True, timeout=600,
+                       env=env, cwd=root)
+    out = _strip(p.stdout + p.stderr)
+    assert p.returncode == 0, out[-4000:]
+    assert re.search(r"step:\s+3\s+loss", out), out[-3000:]
+
+
+def _strip(text: str) -> str:
+    import re
+    return re.sub(r"\x1b\[[0-9;]*m", "", text)

@@ -154,7 +154,15 @@ def main() -> None:
     argv, jobs = sys.argv[1:], [[]]
     for a in argv:
         jobs.append([]) if a == "---" else jobs[-1].append(a)
-    for job in jobs:
+    import torch.distributed.distributed_c10d as c10d
+    rendezvous = c10d.rendezvous
+    for k, job in enumerate(jobs):
+        # each job's process group keys under a prefix of its own in torchrun's store (a second
+        # init_process_group on the same store would meet the first job's keys and hang)
+        def prefixed(*a, k=k, **kw):
+            for store, rank, world in rendezvous(*a, **kw):
+                yield c10d.PrefixStore(f"job{k}", store), rank, world
+        c10d.rendezvous = prefixed
         sys.argv = [sys.argv[0], *job]
         titan_main()
 
