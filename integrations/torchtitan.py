@@ -26,7 +26,7 @@ What the container does with torchtitan's machinery:
   ``foreach`` that torchtitan injects included) is saved and loaded. A zero-``lr`` step on an optimizer with
   no state yet (torchtitan's ``init_optim_state``) only creates the state, on every rank alike.
 - **MoE.** torchtitan's load-balancing step pre-hook is registered on the container and runs before SWAN's
-  step; grouped experts ``(E, ., .)`` are whitened per expert.
+  step; its grouped experts (``w1_EFD``, ``w2_EDF``, ``w3_EFD``: ``(E, out, in)``) are whitened per expert.
 
 Refused at construction, on every rank alike (the configuration is the same on every rank):
 ``implementation="fused_opt_states_bf16"`` (bf16 Adam moments; SWAN's AdamW fallback keeps fp32 moments) and
@@ -60,6 +60,9 @@ from swan_dist.selection import tag_model
 __all__ = ["SwanOptimizersContainer", "TitanSWAN", "build_swan", "swan_config", "non_pp_group"]
 
 SWAN_NAME = "SWAN"
+# torchtitan 0.3's GroupedExperts name their stacks by layout: w1_EFD, w3_EFD (E, ffn, dim) and w2_EDF (E, dim, ffn),
+# each expert stored (out, in): whitened per expert as stored
+EXPERT_STACKS = (r"\.w[13]_EFD$", r"\.w2_EDF$")
 
 
 class TitanSWAN(SWAN):
@@ -86,17 +89,20 @@ def non_pp_group(model_parts: list[nn.Module]) -> dist.ProcessGroup | None:
               if isinstance(p, DTensor)}
     key = hashlib.sha256("\n".join(names).encode()).hexdigest()  # the same in every process
     gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, key)
-    ranks = [r for r, h in enumerate(gathered) if h == key]
-    if len(ranks) == dist.get_world_size():
+    dist.all_gather_object(gathered, (key, sorted(meshes)))  # every rank sees every rank's meshes: all refuse alike
+    for rank, (k, rank_meshes) in enumerate(gathered):
+        ranks = [r for r, (h, _) in enumerate(gathered) if h == k]
+        for mesh in rank_meshes:  # a DTensor's mesh cannot reach beyond the ranks holding the same names
+            if not set(mesh) <= set(ranks):
+                raise ValueError(
+                    f"swan_dist: rank {rank} holds a parameter on mesh {list(mesh)}, which spans ranks holding other "
+                    f"parameters (ranks {ranks} hold rank {rank}'s); SWAN cannot tell its process group: give the "
+                    "ranks of one pipeline stage the same parameters")
+    if all(h == key for h, _ in gathered):
         return None
-    for mesh in meshes:  # a DTensor's mesh cannot reach beyond the ranks holding the same names
-        if not set(mesh) <= set(ranks):
-            raise ValueError(f"swan_dist: a parameter's mesh {list(mesh)} spans ranks holding other parameters "
-                             f"(ranks {ranks} hold this rank's); SWAN cannot tell its process group: give the "
-                             "model parts of one pipeline stage the same parameters on every rank of its mesh")
     # every rank builds every group, in one order (new_subgroups_by_enumeration requires it)
-    groups = sorted({tuple(r for r, h in enumerate(gathered) if h == key) for key in gathered})
+    keys = [h for h, _ in gathered]
+    groups = sorted({tuple(r for r, h in enumerate(keys) if h == k) for k in keys})
     mine, _ = dist.new_subgroups_by_enumeration([list(g) for g in groups])
     return mine
 
@@ -145,8 +151,15 @@ class SwanOptimizersContainer(OptimizersContainer):
         exclude: list[str] = field(default_factory=list)
         """Regular expressions on FQNs forcing the fallback rule."""
 
+        whiten_experts: bool = True
+        """Whiten torchtitan's grouped MoE experts (``w1_EFD``, ``w2_EDF``, ``w3_EFD``) per expert; ``False``: the
+        fallback rule."""
+
         implementation: str = "for-loop"  # type: ignore[assignment]
         """As torchtitan's; kept in every group (and in checkpoints); SWAN does not read it."""
+
+        def includes(self) -> list[str]:
+            return [*self.include, *(EXPERT_STACKS if self.whiten_experts else ())]
 
         def swan_kwargs(self) -> dict[str, Any]:
             """The keyword arguments of :class:`swan_dist.SWAN` this config sets."""
@@ -175,7 +188,7 @@ class SwanOptimizersContainer(OptimizersContainer):
         all_params: list[nn.Parameter] = []
         swan_groups: list[dict[str, Any]] = []
         for part_idx, model in enumerate(model_parts):
-            tag_model(model, config.include, config.exclude)  # module types: expert stacks, heads, embeddings
+            tag_model(model, config.includes(), config.exclude)  # module types: expert stacks, heads, embeddings
             groups_by_name, patterns_by_name = self._build_param_groups(model, group_configs, impl_kwargs)
             for name, groups in groups_by_name.items():
                 for g in groups:
@@ -189,7 +202,7 @@ class SwanOptimizersContainer(OptimizersContainer):
                 self._log_optimizer(opt, part_idx, patterns_by_name[name])
         group = non_pp_group(model_parts)  # collective: every rank, even one without SWAN parameters
         if swan_groups:
-            kwargs = {**config.swan_kwargs(), "include": config.include, "exclude": config.exclude,
+            kwargs = {**config.swan_kwargs(), "include": config.includes(), "exclude": config.exclude,
                       "verbose": False, **config.optimizer_factory_kwargs_by_name.get(SWAN_NAME, {})}
             swan = build_swan(swan_groups, process_group=group, **kwargs)
             self.optimizers.insert(0, swan)
