@@ -9,6 +9,7 @@ cannot run without CUDA, but its owner balancer (``_balance_loads_across_partiti
 each rank sends per step (row shards to the owner and updates back).
 
     python benchmarks/torchtitan.py                 # CPU, writes the `torchtitan-cpu` section
+    python benchmarks/torchtitan.py --planning-only # DistMuon's planning vs swan_dist's only (`torchtitan-planning`)
     python benchmarks/torchtitan.py --cuda          # one GPU: AdamW vs DistMuon vs SWAN step time and peak memory
 
 ``--cuda`` (benchmarks/gpu_suite.sh step ``torchtitan_cuda``) runs ``torchtitan.train`` at W=1 on the GPU with
@@ -169,7 +170,6 @@ def cpu(args) -> str:
                     f"| {max(r['mem']):.2f} |")
         if opt not in best or r["loss"][-1] < best[opt][1]["loss"][-1]:
             best[opt] = (lr, r)
-    plan = [planning_rows(f, w) for f in ("debugmodel", "8B") for w in (2, 8, 64)]
     body = (f"torchtitan {args.version}, torchtitan's trainer at W=2 (FSDP2, gloo, float32 parameters), debug llama3 "
             f"(6 layers, dim 256, vocab 2048), seq {args.seq}, global batch 8, {args.steps} steps, warmup 2, "
             "linear decay, clipping at 1.0; the harness's tiny word-level data (two alternating documents, so "
@@ -181,7 +181,13 @@ def cpu(args) -> str:
     body += (f"At each one's best lr: AdamW (lr {la:g}) {ra['loss'][-1]:.3f}, SWAN‡ (lr {ls:g}) {rs['loss'][-1]:.3f}; "
              f"SWAN's step {rs['step_s'] / ra['step_s']:.2f}x AdamW's, its peak RSS {max(rs['mem']) / max(ra['mem']):.2f}x"
              f" (where a ratio is above 1, swan_dist is behind).\n\n")
-    body += ("DistMuon's owner assignment (its greedy LPT balancer `_balance_loads_across_partitions` on its cost "
+    body += planning()
+    return body
+
+
+def planning() -> str:
+    plan = [planning_rows(f, w) for f in ("debugmodel", "8B") for w in (2, 8, 64)]
+    body = ("DistMuon's owner assignment (its greedy LPT balancer `_balance_loads_across_partitions` on its cost "
              "model `_estimate_muon_compute_cost`, NS 5 steps, one bucket) against swan_dist's planner (`swan_plan`, "
              "one bucket) for the same whitened matrices of torchtitan's llama3 (fused wqkv one matrix in both), "
              "FSDP row shards over W ranks. Imbalance: slowest owner's cost / mean, on each cost model; bytes: "
@@ -193,6 +199,13 @@ def cpu(args) -> str:
         m, s = p["muon"], p["swan"]
         body += (f"| {p['model']} | {p['W']} | {p['matrices']} | {m[0]:.3f} | {m[1]:.3f} | {m[2] / 2**20:,.1f} | "
                  f"{s[0]:.3f} | {s[1]:.3f} | {s[2] / 2**20:,.1f} |\n")
+    same = all(p["muon"] == p["swan"] for p in plan)
+    body += ("\n" + ("At every layout here the two planners reach the same balance and bytes (both assign whole "
+                      "matrices largest first): swan_dist is neither behind nor ahead on planning. "
+                      if same else "The planners differ where the rows differ (above). ")
+             + "Where W exceeds the matrices (debugmodel at W=64: 30 matrices) most ranks own none. Not compared "
+             "here, since DistMuon needs CUDA: its bf16 Newton-Schulz and bucketed all-to-all timings on a GPU "
+             "(`--cuda`, benchmarks/gpu_suite.sh).\n")
     return body
 
 
@@ -274,12 +287,21 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--adamw-lrs", type=float, nargs="+", default=[8e-4, 3e-3])
     ap.add_argument("--swan-lrs", type=float, nargs="+", default=[2e-3, 8e-3])
+    ap.add_argument("--planning-only", action="store_true", help="only DistMuon's planning vs swan_dist's (no launch)")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
     from importlib.metadata import version
     args.version = version("torchtitan")
     write_section = _report().write_section
-    if args.cuda:
+    if args.planning_only:
+        sys.path.insert(0, TESTS)
+        import torchtitan_harness
+        torchtitan_harness.cpu_device()
+        body = planning()
+        if not args.no_write:
+            write_section("torchtitan-planning", "torchtitan: DistMuon's owner planning vs swan_dist's (planning only, "
+                          "no device)", body)
+    elif args.cuda:
         body = cuda(args)
         if body and not args.no_write:
             write_section("torchtitan-cuda", "torchtitan (GPU): AdamW vs DistMuon vs SWAN at W=1", body)
