@@ -149,16 +149,13 @@ def cpu(args) -> str:
     torchtitan_harness.make_assets(assets, seq_len=args.seq)
     common = ["--module", "torchtitan_configs", "--training.steps", str(args.steps), "--training.seq_len",
               str(args.seq), "--training.local_batch_size", "4", "--training.global_batch_size", "8",
-              "--checkpoint.no-enable", "--lr_scheduler.warmup_steps", "2"]
+              "--lr_scheduler.warmup_steps", "2"]
     jobs, names = [], []
     for lr in args.adamw_lrs:
-        jobs.append(["--config", "llama3_adamw", "--dump_folder", os.path.join(tmp, f"a{lr}"), *common,
-                     "--optimizer.param_groups.0.optimizer_kwargs", f'{{"lr": {lr}, "betas": [0.9, 0.95], '
-                     f'"eps": 1e-8, "weight_decay": 0.1}}'])
+        jobs.append(["--config", f"llama3_adamw_lr{lr:g}", "--dump_folder", os.path.join(tmp, f"a{lr}"), *common])
         names.append(("torchtitan AdamW", lr))
     for lr in args.swan_lrs:
-        jobs.append(["--config", "llama3_swan", "--dump_folder", os.path.join(tmp, f"s{lr}"), *common,
-                     "--optimizer.lr", str(lr), "--optimizer.fallback_lr", str(lr / 2)])
+        jobs.append(["--config", f"llama3_swan_lr{lr:g}", "--dump_folder", os.path.join(tmp, f"s{lr}"), *common])
         names.append(("swan_dist SWAN‡", lr))
     out = launch(2, jobs, assets)
     res = parse_jobs(out)

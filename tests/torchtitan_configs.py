@@ -63,3 +63,22 @@ def dsv3_swan():
     config = _cpu(deepseek_v3_debugmodel())
     config.optimizer = swan()
     return config
+
+
+def __getattr__(name: str):
+    """``llama3_adamw_lr<lr>`` / ``llama3_swan_lr<lr>``: the benchmark's lr sweep (no checkpoint), by name."""
+    import re
+    m = re.fullmatch(r"llama3_(adamw|swan)_lr([0-9.e-]+)", name)
+    if m is None:
+        raise AttributeError(name)
+    lr = float(m.group(2))
+
+    def config():
+        c = _llama3()
+        if m.group(1) == "swan":
+            c.optimizer = swan(lr, fallback_lr=lr / 2)
+        else:
+            c.optimizer.param_groups[0].optimizer_kwargs["lr"] = lr
+        c.checkpoint.enable = False
+        return c
+    return config
