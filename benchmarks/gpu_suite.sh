@@ -14,8 +14,10 @@
 #      then the CPU run's default model (log only, for comparison with the CPU section);
 #   c. benchmarks/whitening.py (swan_update vs its GEMMs, fp32 and bf16);
 #   d. benchmarks/cuda_numerics.py (SWAN's math and one optimizer step on the GPU vs fp64/CPU);
-#   memory_cuda. benchmarks/memory.py --device cuda: peak allocated/reserved per optimizer, LLaMA 1.3B and
+#   d1. benchmarks/memory.py --device cuda: peak allocated/reserved per optimizer, LLaMA 1.3B and
 #      7B in bf16 at batch 1 (writes `memory-cuda`; without CUDA a tiny CPU run instead, nothing written);
+#   d2. benchmarks/torchtitan.py --cuda: torchtitan's trainer at W=1, AdamW vs DistMuon vs SWAN step time and
+#      peak memory (writes `torchtitan-cuda`; soft: skipped where torchtitan, carried in .whl/, does not import);
 #   e. with a Megatron-LM checkout carried in .mlm/ (pretrain_gpt.py, megatron/; git-ignored):
 #      pretrain_gpt.py --optimizer swan end to end on NCCL (bf16, distributed optimizer, save + resume).
 # Logs, docs/benchmarks.md (with the sections written here) and a summary go to $OUT (the device
@@ -121,6 +123,9 @@ else
     step memory_cuda 240 $PY benchmarks/memory.py --sizes small --optimizers adamw,swan_ddagger --estimate small \
         --estimate-optimizers adamw,swan_ddagger --no-write
 fi
+# torchtitan at W=1: AdamW vs DistMuon vs SWAN (torchtitan and its pure-Python dependencies carried as wheels in
+# .whl/; prints a message and exits 0 where torchtitan does not import)
+step torchtitan_cuda 150 $PY benchmarks/torchtitan.py --cuda --steps 10 "${NOWRITE[@]}"
 
 # Megatron-LM end to end (when a checkout is carried in .mlm/: pretrain_gpt.py and megatron/ of tag
 # core_v0.16.1): bf16, the distributed optimizer, NCCL; a torch_dist checkpoint at iteration 20 of 40,

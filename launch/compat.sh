@@ -6,7 +6,7 @@
 #
 # SPEC: a pip requirement, e.g. torch==2.14.1, 'deepspeed==0.19.0', transformers==5.0.0. Without
 # PYTEST_ARGS the compat part runs: every test that exercises a framework API swan_dist relies on
-# (DTensor, FSDP2, FSDP1, DDP, TP, DeepSpeed, megatron-core, Transformers, Accelerate, Lightning) at
+# (DTensor, FSDP2, FSDP1, DDP, TP, DeepSpeed, megatron-core, Transformers, Accelerate, Lightning, torchtitan) at
 # W <= 4, without the long checkpoint and launch runs; `-- tests` runs the whole suite. The venv is kept under
 # .venv-compat/ (one per SPEC set); the versions it ran and pytest's summary line are appended to
 # runs/compat/results.txt.
@@ -22,6 +22,7 @@ if [ ${#tests[@]} -eq 0 ]; then  # every framework API swan_dist relies on, with
          tests/test_inflight.py tests/test_engine.py tests/test_schedules.py tests/test_distributed_optimizer.py
          tests/test_expert_parallel.py tests/test_tensor_parallel.py tests/test_fsdp1.py tests/test_deepspeed.py
          tests/test_megatron_core.py tests/test_megatron_moe.py tests/test_huggingface.py tests/test_lightning.py
+         tests/test_torchtitan.py
          -k "not eight_ranks and not 8-3 and not checkpoint and not universal and not resume and not dcp and not sigkill")
 fi
 name=$(printf '%s_' "${specs[@]}" | tr -c 'A-Za-z0-9._=-' '_' | sed 's/_$//')
@@ -32,7 +33,7 @@ python3 -m venv "$venv"
 mkdir -p runs/compat
 versions=$("$venv/bin/python" - <<'PY'
 from importlib.metadata import version
-names = ["torch", "deepspeed", "megatron-core", "transformers", "accelerate", "lightning"]
+names = ["torch", "deepspeed", "megatron-core", "transformers", "accelerate", "lightning", "torchtitan", "triton"]
 print(" ".join(f"{n}=={version(n)}" for n in names))
 PY
 )
