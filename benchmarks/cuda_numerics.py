@@ -130,7 +130,7 @@ def _in_backward(dev: torch.device, layout: str) -> float:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29533")
         dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", rank=0, world_size=1,
-                                device_id=dev if dev.type == "cuda" else None)
+                                device_id=torch.device("cuda", torch.cuda.current_device()) if dev.type == "cuda" else None)
     out = {}
     for in_backward in (False, True):
         torch.manual_seed(0)

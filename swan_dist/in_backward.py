@@ -20,6 +20,7 @@ micro-batch; in one process a second backward before ``step()`` raises.
 
 from __future__ import annotations
 
+import weakref
 from typing import Sequence
 
 import torch
@@ -77,6 +78,11 @@ def check_in_backward(params: Sequence[Tensor], model: nn.Module | None) -> list
     return [u for u in out if u]
 
 
+def _remove(handles: list) -> None:
+    for h in handles:
+        h.remove()
+
+
 class InBackward:
     """The hooks and the window of one optimizer (see the module docstring)."""
 
@@ -90,7 +96,18 @@ class InBackward:
         self.batch = not _distributed()  # one process: units (parameters) stepped in batches
         self.queued: list[int] = []
         self.queued_bytes = 0
-        self.handles = [p.register_post_accumulate_grad_hook(self._hook) for unit in units for p in unit]
+        # the hooks hold this object weakly: a tensor's hooks are not traversed by Python's garbage
+        # collector, so a strong reference from them (to self, then the optimizer, then every parameter) would
+        # keep an optimizer the user dropped, and its model's parameters, alive for good
+        ref = weakref.ref(self)
+
+        def hook(p: Tensor) -> None:
+            me = ref()
+            if me is not None:
+                me._hook(p)
+
+        self.handles = [p.register_post_accumulate_grad_hook(hook) for unit in units for p in unit]
+        weakref.finalize(self, _remove, self.handles)
 
     def arm(self) -> None:
         self.armed = True

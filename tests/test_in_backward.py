@@ -121,6 +121,27 @@ def test_updates_only_between_zero_grad_and_step():
         model(x).pow(2).mean().backward()  # a second backward before step()
 
 
+def test_a_dropped_optimizer_is_freed_with_its_hooks():
+    import gc
+    import weakref
+
+    torch.manual_seed(0)
+    model = Net()
+    opt = SWAN(model, lr=0.02, verbose=False, step_in_backward=True)
+    x = torch.randint(0, 11, (3, 5))
+    opt.zero_grad()
+    model(x).pow(2).mean().backward()
+    opt.step()
+    gone = weakref.ref(opt)
+    del opt
+    gc.collect()
+    assert gone() is None  # the parameters' hooks did not keep it (nor, through it, the parameters) alive
+    assert all(not p._post_accumulate_grad_hooks for p in model.parameters())  # its hooks were removed
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    model(x).pow(2).mean().backward()  # a backward after it is gone updates nothing
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+
 def _dist_worker(rank, world, layout, micro):
     return _compare(rank, world, layout, micro)
 
