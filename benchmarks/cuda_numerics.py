@@ -141,8 +141,8 @@ def _in_backward(dev: torch.device, layout: str) -> float:
             for block in model.layers:
                 fully_shard(block)
             fully_shard(model)
-        start = {n: p.detach().full_tensor() if hasattr(p, "full_tensor") else p.detach().clone()
-                 for n, p in model.named_parameters()}
+        start = {n: (p.detach().full_tensor() if hasattr(p, "full_tensor") else p.detach()).clone()  # (at W=1
+                 for n, p in model.named_parameters()}  # full_tensor() can be the parameter's own storage)
         opt = swan_dist.SWAN(model, preset="swan_ddagger", lr=0.02, whiten_dtype="float32", verbose=False,
                              step_in_backward=in_backward)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
