@@ -105,7 +105,7 @@ def main() -> None:
         "cell, not one matrix: at W >= 64 AdamW (or `mode=\"replicated\"` with a smaller stack) is the leaner "
         "choice per rank for the step; the gradients, parameters and activations, alike for both, are not in "
         "this table."])
-    write_section("memory-dist-scale", "Memory, distributed, at scale (the step's bound)", body)
+    write_section("memory-dist-scale", "Memory, distributed, at scale (no device: the plan's step bound)", body)
 
 
 if __name__ == "__main__":
