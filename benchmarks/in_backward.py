@@ -34,12 +34,10 @@ def _model(size: str, world: int):
     model = Llama(model_config(size))
     if world > 1:
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
 
-        mesh = init_device_mesh("cpu", (world,))
-        for block in model.layers:
-            fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+        from swan_dist.reference.parallel import shard_fsdp2
+
+        shard_fsdp2(model, init_device_mesh("cpu", (world,)))
     return model
 
 

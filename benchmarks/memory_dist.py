@@ -58,12 +58,10 @@ def _build(size: str, layout: str, world: int):
         model = Llama(cfg).to(torch.bfloat16)
     if layout == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
 
-        mesh = init_device_mesh("cpu", (world,))
-        for block in model.layers:
-            fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+        from swan_dist.reference.parallel import shard_fsdp2
+
+        shard_fsdp2(model, init_device_mesh("cpu", (world,)))
     model.to_empty(device="cpu")
     cos, sin = rope_tables(cfg.dim // cfg.n_heads, cfg.max_seq_len)
     model.rope_cos, model.rope_sin = cos, sin
@@ -198,6 +196,8 @@ def measure(layout: str, variant: str, world: int, args, bucket_mb: float | None
           f"transient {max(r['transient'] for r in ranks) / MiB:,.1f} MiB"
           + (f" (bound {max(r['bound']['total'] for r in ranks if 'bound' in r) / MiB:,.1f})"
              if any("bound" in r for r in ranks) else "") + f" [{time.perf_counter() - t0:.0f} s]", flush=True)
+    top = max(ranks, key=lambda r: r["peak_total"])
+    print("  at the peak: " + ", ".join(f"{k} {v / MiB:,.0f}" for k, v in top["peak"].items() if v), flush=True)
     return ranks
 
 
@@ -335,6 +335,7 @@ def main() -> None:
     p.add_argument("--estimate", default="7b,70b", help="shapes estimated on the fake process group ('' for none)")
     p.add_argument("--estimate-worlds", default="8,64,1024")
     p.add_argument("--from-json", default=None, help="report measurements saved by an earlier run instead of measuring")
+    p.add_argument("--variants", default=None, help="only these optimizers (e.g. owner,backward)")
     p.add_argument("--no-write", action="store_true")
     args = p.parse_args()
     worlds = [int(w) for w in args.worlds.split(",")]
@@ -343,6 +344,8 @@ def main() -> None:
     for layout in args.layouts.split(",") if saved is None else ():
         for w in worlds:
             for v in LAYOUT_VARIANTS[layout]:
+                if args.variants and v not in args.variants.split(","):
+                    continue
                 rows.append(_largest(measure(layout, v, w, args)))
     for w in worlds if saved is None else ():
         for b in [float(x) for x in args.sweep.split(",") if x]:

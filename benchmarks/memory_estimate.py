@@ -67,10 +67,10 @@ def traced_layers(size: str, world: int, optimizer: str, seq: int, n_layers: int
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from swan_dist.reference.model import Llama
+    from swan_dist.reference.parallel import shard_fsdp2
 
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -85,9 +85,7 @@ def traced_layers(size: str, world: int, optimizer: str, seq: int, n_layers: int
                 model = Llama(cfg)
             finally:
                 torch.set_default_dtype(default)
-            for block in model.layers:
-                fully_shard(block, mesh=mesh)
-            fully_shard(model, mesh=mesh)
+            shard_fsdp2(model, mesh)
             if optimizer == "adamw":
                 params = list(model.parameters())
             else:  # SWAN‡'s fallback parameters: the state SWAN‡ keeps

@@ -98,15 +98,27 @@ def _ddp(model: nn.Module, cfg: TrainConfig, env: DistEnv) -> nn.Module:
     return DistributedDataParallel(model, device_ids=device_ids, forward_sync_buffers=False)  # buffers are constants
 
 
-def _fsdp2(model: nn.Module, cfg: TrainConfig, env: DistEnv) -> nn.Module:
-    """FSDP2: each transformer block one shard group, the root (embeddings, norm, head) another."""
-    from torch.distributed.device_mesh import init_device_mesh
+def shard_fsdp2(model: nn.Module, mesh) -> nn.Module:
+    """``fully_shard`` the reference LLaMA as FSDP2 users do: the embeddings one shard group, each
+    transformer block one, the head one, the root (the final norm) the last. The embeddings and the head
+    apart keep their unsharded gradients and reduce-scatter buffers (the model's largest) from living
+    through all of backward in the root's group; tied embeddings stay in the root."""
     from torch.distributed.fsdp import fully_shard
 
-    mesh = init_device_mesh(env.device.type, (env.world_size,))
+    tied = model.output.weight is model.tok_embeddings.weight
+    if not tied:
+        fully_shard(model.tok_embeddings, mesh=mesh)
     for block in model.layers:
         fully_shard(block, mesh=mesh)
+    if not tied:
+        fully_shard(model.output, mesh=mesh)
     return fully_shard(model, mesh=mesh)
+
+
+def _fsdp2(model: nn.Module, cfg: TrainConfig, env: DistEnv) -> nn.Module:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return shard_fsdp2(model, init_device_mesh(env.device.type, (env.world_size,)))
 
 
 def _fsdp1(model: nn.Module, cfg: TrainConfig, env: DistEnv) -> nn.Module:
