@@ -279,43 +279,42 @@ def report(rows: list[dict], sweep: list[dict], args) -> tuple[str, list[str]]:
                           f"of embeddings, head, norms) added to the right side: {_m(fb)} MiB: "
                           f"{'OK' if o['peak_total'] <= fb else 'NOT MET'}")
         if o and bw:
-            grads = _cat(o, *GRAD)
+            grads = sum(v for k, v in o["step_peak_categories"].items() if k in GRAD)  # every rank's gradients
             checks.append(f"FSDP2 W={w} step_in_backward peak {_m(bw['peak_total'])} MiB <= ordinary {_m(o['peak_total'])}"
-                          f" - gradients at its peak {_m(grads)} = {_m(o['peak_total'] - grads)} MiB: "
+                          f" - the rank's gradients {_m(grads)} = {_m(o['peak_total'] - grads)} MiB: "
                           f"{'OK' if bw['peak_total'] <= o['peak_total'] - grads else 'NOT MET'}")
+            saved = o["live_before_step"] - bw["live_before_step"]
+            checks.append(f"FSDP2 W={w} live bytes when backward ends: ordinary {_m(o['live_before_step'])} MiB, "
+                          f"step_in_backward {_m(bw['live_before_step'])} MiB: {_m(saved)} MiB less, the rank's "
+                          f"gradients {_m(grads)} MiB: {'OK' if saved >= grads else 'NOT MET'}")
     if checks:
         lines += ["", "Checks:", ""] + [f"- {c}" for c in checks]
     return "\n".join(lines), checks
 
 
-def estimates_report(est: list[dict], rows: list[dict], args) -> tuple[str, list[str]]:
-    """The estimated table (benchmarks/memory_estimate.py) and its check against the real rows."""
-    lines = ["", f"Estimated, FSDP2 (fake process group, rank 0 of W traced under `FakeTensorMode` with "
-             "`FSDPMemTracker`; SWAN's step added as its bound from the plan the engine builds for the same "
-             f"matrices and rows, see benchmarks/memory_estimate.py), bf16, batch 1 x {args.seq} tokens per rank, "
-             f"`bucket_mb={args.bucket_mb:g}`; LLaMA 7B and 70B shapes with full multi-head attention (the reference "
-             "model has no grouped-query heads), 32k vocabulary. GiB per rank:", "",
-             "| shape | W | AdamW peak | AdamW state | SWAN‡ owner peak | owner bound (busiest owner) | buckets "
-             "| SWAN‡ replicated peak | replicated bound | owner / AdamW |", "|---|---|---|---|---|---|---|---|---|---|"]
-    checks = []
-    G = 2**30
+def estimates_report(est: list[dict], rows: list[dict]) -> tuple[str, list[str]]:
+    """The traces of benchmarks/memory_estimate.py (fake process group, no allocation) against the real rows."""
+    from memory_estimate import TRACED
+
     real = {(r["world"], r["variant"]): r for r in rows if r["layout"] == "fsdp2"}
+    lines = ["", "The same steps traced without allocating (benchmarks/memory_estimate.py: rank 0 of W on torch's fake "
+             "process group, `FakeTensorMode`, `FSDPMemTracker`; what benchmarks/memory_dist_scale.py runs at the 7B "
+             "and 70B shapes), against the live peaks measured above:", "",
+             "| W | optimizer | traced peak MiB | + one RS input MiB | measured live peak MiB | traced / measured "
+             "| (+ RS input) / measured | traced transient MiB | measured transient MiB |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    checks = []
     for e in est:
-        a, o, rp = e["adamw"], e["owner"], e.get("replicated")
-        lines.append(f"| {e['size']} | {e['world']:,} | {a['peak']['Total'] / G:,.2f} | {a['state'] / G:,.2f} "
-                     f"| {o['peak'] / G:,.2f} | {o['bound'] / G:,.3f} | {o['bounds']['buckets']} "
-                     f"| {rp['peak'] / G:,.2f} | {rp['bound'] / G:,.3f} | {o['peak'] / a['peak']['Total']:.2f} |")
-        if e["size"] in ("7b", "70b"):
-            limit = a["peak"]["Total"] - a["state"] + o["bound"]
-            checks.append(f"estimated {e['size']} W={e['world']}: owner peak {o['peak'] / G:,.2f} GiB <= AdamW peak - "
-                          f"AdamW state + bound = {limit / G:,.2f} GiB: {'OK' if o['peak'] <= limit else 'NOT MET'}")
-        for name, variant in (("AdamW", "adamw"), ("SWAN‡ owner", "owner")):
-            r = real.get((e["world"], variant))
-            if e["size"] == args.size and r is not None:
-                value = a["peak"]["Total"] if variant == "adamw" else o["peak"]
-                checks.append(f"estimate against the real run, {args.size} W={e['world']} {name}: estimated "
-                              f"{value / MiB:,.0f} MiB, measured {r['peak_total'] / MiB:,.0f} MiB live, ratio "
-                              f"{value / r['peak_total']:.2f}")
+        r = real.get((e["world"], e["variant"]))
+        if r is None:
+            continue
+        ratio = e["peak_total"] / r["peak_total"]
+        upper = e["peak_total"] + e["largest_unit_bytes"]
+        lines.append(f"| {e['world']} | {TRACED[e['variant']]} | {_m(e['peak_total'])} | {_m(upper)} | "
+                     f"{_m(r['peak_total'])} | {ratio:.2f} | {upper / r['peak_total']:.2f} | {e['transient'] / MiB:,.1f} "
+                     f"| {r['transient'] / MiB:,.1f} |")
+        checks.append(f"traced against measured, W={e['world']} {TRACED[e['variant']]}: {ratio:.2f} "
+                      f"(with one reduce-scatter input {upper / r['peak_total']:.2f})")
     return "\n".join(lines), checks
 
 
@@ -332,8 +331,7 @@ def main() -> None:
     p.add_argument("--bucket-mb", dest="bucket_mb", type=float, default=256.0)
     p.add_argument("--sweep", default="4,16,64", help="bucket_mb values of the transient sweep (FSDP2 owner mode)")
     p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--estimate", default="7b,70b", help="shapes estimated on the fake process group ('' for none)")
-    p.add_argument("--estimate-worlds", default="8,64,1024")
+    p.add_argument("--estimate", type=int, default=1, help="1: trace the same steps on the fake process group")
     p.add_argument("--from-json", default=None, help="report measurements saved by an earlier run instead of measuring")
     p.add_argument("--variants", default=None, help="only these optimizers (e.g. owner,backward)")
     p.add_argument("--no-write", action="store_true")
@@ -356,19 +354,16 @@ def main() -> None:
     with open(os.path.join(tempfile.gettempdir(), "memory_dist_raw.json"), "w") as f:
         json.dump({"rows": rows, "sweep": sweep, "estimates": est}, f)  # before anything can fail
     if args.estimate and not est:
-        from memory_estimate import estimate
+        from memory_estimate import trace_step
 
-        for size in [args.size] + args.estimate.split(","):
-            for w in (worlds if size == args.size else [int(x) for x in args.estimate_worlds.split(",")]):
-                t0 = time.perf_counter()
-                est.append(estimate(size, w, args.seq, args.bucket_mb))
-                print(f"estimated {size} W={w} [{time.perf_counter() - t0:.0f} s]", flush=True)
-                with open(os.path.join(tempfile.gettempdir(), "memory_dist_raw.json"), "w") as f:
-                    json.dump({"rows": rows, "sweep": sweep, "estimates": est}, f)
+        for w in worlds:
+            for v in [v for v in VARIANTS if any(r["layout"] == "fsdp2" and r["world"] == w and r["variant"] == v
+                                                  for r in rows)]:
+                est.append(trace_step(args.size, w, v, args.seq, bucket_mb=args.bucket_mb))
     text, checks = report(rows, sweep, args)
     if est:
-        more, more_checks = estimates_report(est, rows, args)
-        text += "\n" + more + "\n\nChecks of the estimates:\n\n" + "\n".join(f"- {c}" for c in more_checks)
+        more, more_checks = estimates_report(est, rows)
+        text += "\n" + more
     print(text)
     if not args.no_write:
         write_section("memory-dist", "Memory, distributed", text)

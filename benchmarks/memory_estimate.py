@@ -1,192 +1,159 @@
-"""Per-rank peak memory of an FSDP2 training step at world sizes no machine here has, estimated without
-allocating anything: one process plays rank 0 of W on torch's fake process group (``FakeStore``), the
-model built under ``FakeTensorMode`` and each block ``fully_shard``-ed, one step under ``FSDPMemTracker``.
+"""Per-rank peak memory of a whole FSDP2 training step at world sizes no machine here has, traced without
+allocating anything: one process plays rank r of W on torch's fake process group (``FakeStore``: every
+collective returns at once, with outputs of the right shapes), the model built under ``FakeTensorMode``
+(shapes, no data) and sharded as the reference trainer shards it (:func:`swan_dist.reference.parallel.shard_fsdp2`),
+and two steps run under ``FSDPMemTracker``; the second counts. The optimizer is the real one: torch's AdamW
+(``foreach``), or SWAN‡ itself (owner or replicated mode, or owner mode with ``step_in_backward=True``), whose
+owners' plan comes from every rank's DTensor ranges as in a real run; a fake step assumes every gradient
+finite (it reads no value on the host).
 
-SWAN's step itself is not run under fake tensors here; its estimate is put together from what is:
-
-- the step of SWAN‡ minus its whitening: the same model with torch's AdamW on exactly SWAN‡'s fallback
-  parameters (embeddings, head, norms: SWAN‡'s fallback state) and nothing else, traced under the
-  tracker: its peak over forward and backward and its live bytes before the step;
-- plus the transient SWAN's step adds, bounded by ``Exchange.transient_bound()`` of the plan the planner
-  builds for the same matrices and the same FSDP2 row ranges at W (owner or replicated mode), for rank 0
-  and for the busiest owner (the rank with the largest bound).
-
-Estimate = max(peak over forward and backward, live before the step + the rank's bound). AdamW is traced
-whole (its state and its step's temporaries). ``check()`` compares the estimate with the real measurement
-of ``benchmarks/memory_dist.py`` at the shape both run."""
+Reported per traced rank: the tracker's peak by category over the whole step, the peak over forward and
+backward, the live bytes just before ``step()``, the step's transient (its peak minus those bytes), the
+optimizer's state bytes, and for SWAN the rank's bound (``Exchange.transient_bound``, docs/engine.md,
+"Memory a step adds") of the schedule it ran. ``benchmarks/memory_dist.py`` checks the trace against the real
+run at the shape both run; ``benchmarks/memory_dist_scale.py`` traces the 7B and 70B shapes at W = 8 … 1,024."""
 
 from __future__ import annotations
-
-import math
 
 import torch
 import torch.distributed as dist
 
-LLAMA = {  # the LLaMA shapes, full multi-head attention (the reference model has no grouped-query heads)
+LLAMA = {  # LLaMA-2 7B and 70B (70B: grouped-query attention, 8 key/value heads)
     "7b": dict(dim=4096, n_layers=32, n_heads=32, ffn_dim=11008),
-    "70b": dict(dim=8192, n_layers=80, n_heads=64, ffn_dim=28672),
+    "70b": dict(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=28672),
 }
-FALLBACK = ("tok_embeddings", "output", "norm")  # SWAN‡'s fallback: embeddings, head, every norm
+TRACED = {
+    "adamw": "AdamW (torch, foreach)",
+    "owner": "SWAN‡ owner mode",
+    "replicated": "SWAN‡ replicated mode",
+    "backward": "SWAN‡ owner, step_in_backward",
+}
 
 
-def _config(size: str, n_layers: int | None = None):
+def model_config(size: str):
     from swan_dist.reference.model import LlamaConfig, model_config
 
-    extra = {} if n_layers is None else {"n_layers": n_layers}
     if size in LLAMA:
-        return LlamaConfig(vocab_size=32000, max_seq_len=4096, **{**LLAMA[size], **extra})
-    return model_config(size, vocab_size=32000, **extra)
+        return LlamaConfig(vocab_size=32000, max_seq_len=4096, **LLAMA[size])
+    return model_config(size, vocab_size=32000)
 
 
-def _cats(snapshot) -> dict[str, int]:
+def categories(snapshot) -> dict[str, int]:
     return {getattr(k, "value", str(k)): int(v) for k, v in snapshot.get(torch.device("cpu"), {}).items()}
 
 
-LAYERS = (4, 6)  # traced depths (past the blocks in flight at once); figures extrapolated linearly in the blocks
+def optimizer(variant: str, model, bucket_mb: float):
+    """torch's AdamW or SWAN‡ in the benchmark's variants (see :data:`TRACED`)."""
+    if variant == "adamw":
+        return torch.optim.AdamW(model.parameters(), lr=3e-4, foreach=True)
+    import swan_dist
+
+    return swan_dist.SWAN(model, preset="swan_ddagger", verbose=False, bucket_mb=bucket_mb,
+                          mode="replicated" if variant == "replicated" else "owner",
+                          step_in_backward=variant == "backward")
 
 
-def traced(size: str, world: int, optimizer: str, seq: int) -> dict:
-    """:func:`traced_layers` at two depths, extrapolated linearly to the shape's depth: under FSDP2 with
-    one unit per block, parameters, gradients, state and saved activations grow by one block's worth per
-    block and the unsharded block in flight does not (checked against the real run at the benchmark's
-    shape)."""
-    n = _config(size).n_layers
-    a, b = (traced_layers(size, world, optimizer, seq, k) for k in LAYERS)
+def tracked_step(fwd_bwd, step, tracker) -> dict[str, int]:
+    """One step under ``tracker`` (a MemTracker already entered): ``fwd_bwd()`` then ``step()``. Returns the
+    peak over forward and backward, the live bytes just before the step, the step's own peak (from those
+    bytes) and its categories; the tracker's peak is left at the whole step's."""
+    dev = torch.device("cpu")
+    fwd_bwd()
+    before = tracker.get_tracker_snapshot("current").get(dev, {})
+    live = next((int(v) for k, v in before.items() if getattr(k, "value", k) == "Total"), 0)
+    marks = {"peak_before_step": max(tracker._peak_mem.values(), default=0), "live_before_step": live}
+    saved = tracker._peak_mem_snap
+    tracker._peak_mem, tracker._peak_mem_snap = {dev: live}, {dev: dict(before)}
+    step()
+    marks["step_peak"] = max(tracker._peak_mem.values(), default=0)
+    marks["step_peak_categories"] = categories(tracker.get_tracker_snapshot("peak"))
+    if marks["peak_before_step"] > marks["step_peak"]:  # keep the whole step's peak
+        tracker._peak_mem, tracker._peak_mem_snap = {dev: marks["peak_before_step"]}, saved
+    return marks
 
-    def ext(x, y):
-        return int(x + (y - x) * (n - LAYERS[0]) / (LAYERS[1] - LAYERS[0]))
 
-    return {"fwd_bwd_peak": ext(a["fwd_bwd_peak"], b["fwd_bwd_peak"]), "before_step": ext(a["before_step"], b["before_step"]),
-            "state": ext(a["state"], b["state"]),
-            "peak": {k: ext(a["peak"].get(k, 0), b["peak"].get(k, 0)) for k in b["peak"]}, "traced_layers": LAYERS}
+def transient_bound(opt) -> dict | None:
+    """The bound of the schedule SWAN's last step ran on this rank (None: not SWAN, or no exchange)."""
+    from swan_dist import whitening
+
+    memos = getattr(opt, "_memos", None)
+    ex = next(iter(memos.values())).plans.last if memos else None
+    return None if ex is None else ex.transient_bound(whitening._CPU_PASS_BYTES)
 
 
-def traced_layers(size: str, world: int, optimizer: str, seq: int, n_layers: int | None = None) -> dict:
-    """One step on rank 0 of ``world`` under fake tensors: the tracker's peak by category, the peak over
-    forward and backward, the live bytes before ``step()`` and the optimizer state's bytes."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
+def largest_unit_bytes(model) -> int:
+    """The largest FSDP unit's unsharded parameter bytes: the size of its gradients' reduce-scatter input
+    (what a trace on the fake process group does not hold at the peak where a real run does; see
+    benchmarks/memory_dist.py's check of the traces)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    owner: dict[int, int] = {}
+    for k, m in enumerate(m for m in model.modules() if isinstance(m, FSDPModule)):
+        for p in m.parameters():  # pre-order: a nested unit's parameters end up its own
+            owner[id(p)] = k
+    per: dict[int, int] = {}
+    for p in model.parameters():
+        per[owner[id(p)]] = per.get(owner[id(p)], 0) + p.numel() * p.element_size()
+    return max(per.values())
+
+
+def fsdp2_step(cfg, mesh, variant: str, seq: int, bucket_mb: float, dtype=torch.bfloat16) -> dict:
+    """The reference LLaMA ``cfg`` in ``dtype``, sharded over ``mesh`` as the reference trainer shards it,
+    with :func:`optimizer`'s ``variant``: two steps under ``FSDPMemTracker``, the second measured. On real
+    tensors under a real process group, or under ``FakeTensorMode`` on the fake one (:func:`trace_step`)."""
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from swan_dist.reference.model import Llama
     from swan_dist.reference.parallel import shard_fsdp2
 
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # weights made in dtype (Module.to cannot swap fake tensors)
+    try:
+        model = Llama(cfg)
+    finally:
+        torch.set_default_dtype(default)
+    shard_fsdp2(model, mesh)
+    opt = optimizer(variant, model, bucket_mb)
+    tokens = torch.randint(0, cfg.vocab_size, (1, seq + 1))
+    x, y = tokens[:, :-1], tokens[:, 1:]
+
+    def fwd_bwd():
+        opt.zero_grad(set_to_none=True)
+        model(x, y)[1].backward()
+
+    tracker = FSDPMemTracker(model, opt)
+    tracker.track_external(model, opt)
+    with tracker:
+        fwd_bwd()
+        opt.step()  # the first step creates the fallback's state: not counted
+        tracker.reset_mod_stats()
+        tracker._peak_mem = {torch.device("cpu"): 0}
+        marks = tracked_step(fwd_bwd, opt.step, tracker)
+        peak = categories(tracker.get_tracker_snapshot("peak"))
+    state = sum(getattr(t, "_local_tensor", t).numel() * t.element_size() for s in opt.state.values()
+                for t in s.values() if torch.is_tensor(t) and t.dim() > 0)
+    return {"peak": peak, "peak_total": max(peak.get("Total", 0), marks["peak_before_step"], marks["step_peak"]),
+            "transient": marks["step_peak"] - marks["live_before_step"], "state_bytes": state,
+            "bound": transient_bound(opt), "largest_unit_bytes": largest_unit_bytes(model), **marks}
+
+
+def trace_step(size, world: int, variant: str, seq: int, *, rank: int = 0, bucket_mb: float = 256.0,
+               dtype=torch.bfloat16) -> dict:
+    """Rank ``rank`` of ``world`` on the fake process group, :func:`fsdp2_step` on fake tensors (see the
+    module). ``size``: a named shape or a ``LlamaConfig``."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
     if dist.is_initialized():
         dist.destroy_process_group()
-    dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
+    dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
     try:
-        mesh = init_device_mesh("cpu", (world,))
-        cfg = _config(size, n_layers)
+        cfg = model_config(size) if isinstance(size, str) else size
+        mesh = init_device_mesh("cpu", (world,))  # made on real tensors
         with FakeTensorMode():
-            default = torch.get_default_dtype()
-            torch.set_default_dtype(torch.bfloat16)
-            try:
-                model = Llama(cfg)
-            finally:
-                torch.set_default_dtype(default)
-            shard_fsdp2(model, mesh)
-            if optimizer == "adamw":
-                params = list(model.parameters())
-            else:  # SWAN‡'s fallback parameters: the state SWAN‡ keeps
-                params = [p for n, p in model.named_parameters() if p.dim() < 2 or n.startswith(FALLBACK)]
-            opt = torch.optim.AdamW(params, lr=1e-4, foreach=True)
-            tokens = torch.randint(0, cfg.vocab_size, (1, seq + 1))
-            tracker = FSDPMemTracker(model, opt)
-            tracker.track_external(model, opt)
-            out = {}
-            with tracker:
-                for i in range(2):  # the second step, with the optimizer state there, counts
-                    opt.zero_grad(set_to_none=True)
-                    model(tokens[:, :-1], tokens[:, 1:])[1].backward()
-                    if i == 1:
-                        out["fwd_bwd_peak"] = _cats(tracker.get_tracker_snapshot("peak"))["Total"]
-                        out["before_step"] = _cats(tracker.get_tracker_snapshot("current"))["Total"]
-                    opt.step()
-                    if i == 0:
-                        tracker.reset_mod_stats()
-                        tracker._peak_mem = {torch.device("cpu"): 0}  # the first step's state creation not counted
-                peak = _cats(tracker.get_tracker_snapshot("peak"))
-            out["peak"] = peak
-            out["state"] = sum(getattr(t, "_local_tensor", t).numel() * t.element_size() for s in opt.state.values()
-                               for t in s.values() if torch.is_tensor(t) and t.dim() > 0)
-            return out
+            out = fsdp2_step(cfg, mesh, variant, seq, bucket_mb, dtype)
+        return {"size": size if isinstance(size, str) else "custom", "world": world, "rank": rank,
+                "variant": variant, "seq": seq, **out}
     finally:
         dist.destroy_process_group()
-
-
-def swan_specs(size: str):
-    """SWAN‡'s matrices of the shape (out, in), in the model's parameter order, with each rank's FSDP2
-    rows as element ranges (dim-0 chunks of ceil(out / W) rows)."""
-    from swan_dist.functional import WhitenConfig
-    from swan_dist.plan import MatrixSpec
-
-    cfg = _config(size)
-    d, f = cfg.dim, cfg.ffn_dim
-    shapes = []
-    for i in range(cfg.n_layers):
-        shapes += [(f"layers.{i}.attention.{n}", (d, d)) for n in ("wq", "wk", "wv", "wo")]
-        shapes += [(f"layers.{i}.feed_forward.w1", (f, d)), (f"layers.{i}.feed_forward.w2", (d, f)),
-                   (f"layers.{i}.feed_forward.w3", (f, d))]
-    return [MatrixSpec(k, s, WhitenConfig()) for k, s in shapes]
-
-
-def ranges(specs, world: int) -> list[list[tuple[int, int]]]:
-    out = []
-    for r in range(world):
-        row = []
-        for s in specs:
-            rows, cols = s.shape
-            chunk = math.ceil(rows / world)
-            lo, hi = min(rows, r * chunk), min(rows, (r + 1) * chunk)
-            row.append((lo * cols, hi * cols))
-        out.append(row)
-    return out
-
-
-def bounds(size: str, world: int, mode: str, bucket_mb: float, dtype=torch.bfloat16) -> dict[str, dict]:
-    """The transient bound of rank 0 and of the busiest owner (largest full fp32 bytes in one bucket),
-    from the plan the engine would build."""
-    from swan_dist import whitening
-    from swan_dist.exchange import Exchange
-    from swan_dist.whitening import swan_plan
-
-    specs = swan_specs(size)
-    plan = swan_plan(specs, ranges(specs, world), mode, int(bucket_mb * 2**20))
-    busiest, most = 0, -1
-    if mode == "owner":
-        for b in plan.buckets:
-            per: dict[int, int] = {}
-            for m, o in b.owners.items():
-                per[o] = per.get(o, 0) + 4 * specs[m].numel
-            for o, n in per.items():
-                if n > most:
-                    busiest, most = o, n
-    out = {}
-    for name, rank in (("rank 0", 0), ("busiest owner", busiest)):
-        ex = Exchange(plan, rank, None, torch.device("cpu"), [dtype] * len(specs), compute=None,
-                      stack_bytes=whitening._CPU_EXCHANGE_STACK_BYTES)
-        out[name] = {"rank": rank, **ex.transient_bound(whitening._CPU_PASS_BYTES)}
-    out["buckets"] = len(plan.buckets)
-    return out
-
-
-def estimate(size: str, world: int, seq: int, bucket_mb: float, modes=("owner", "replicated")) -> dict:
-    """AdamW traced; SWAN‡ = the same trace with AdamW's state on the SWAN matrices taken out (the state is
-    live, unchanged, over forward and backward; its bytes follow from the shapes), plus the rank's bound and
-    the fallback's own step temporaries (at most two copies of its local parameters: torch's foreach AdamW)."""
-    adamw = traced(size, world, "adamw", seq)
-    specs = swan_specs(size)
-    # AdamW's state on SWAN's matrices (bf16 moments, two per element) on rank 0: its FSDP2 rows
-    mine = sum(hi - lo for lo, hi in ranges(specs, world)[0])
-    swan_state = 2 * 2 * mine
-    fallback_params = adamw["state"] // 2 - mine * 2  # local fallback parameter bytes (bf16): moments = 2x
-    out = {"size": size, "world": world, "seq": seq, "adamw": adamw, "adamw_state_on_matrices": swan_state,
-           "fallback_params": fallback_params}
-    for mode in modes:
-        b = bounds(size, world, mode, bucket_mb)
-        worst = max(b["rank 0"]["total"], b["busiest owner"]["total"])
-        before = adamw["before_step"] - swan_state
-        out[mode] = {"bounds": b, "bound": worst,
-                     "peak": max(adamw["fwd_bwd_peak"] - swan_state, before + worst + 2 * fallback_params)}
-    return out

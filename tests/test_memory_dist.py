@@ -1,8 +1,13 @@
 """The bytes an owner-mode step adds on each rank stay within the bound its exchange schedule states
 (docs/engine.md, "Memory a step adds"): FSDP2 at W=2, measured with torch's MemTracker around
-``optimizer.step()``, at two ``bucket_mb``."""
+``optimizer.step()``, at two ``bucket_mb``. And the benchmarks' estimate without allocation
+(benchmarks/memory_estimate.py: one rank traced on the fake process group under ``FakeTensorMode``) gives
+the step's transient a real run measures, and its peak to within one reduce-scatter input."""
 
 from __future__ import annotations
+
+import os
+import sys
 
 import pytest
 import torch
@@ -10,10 +15,23 @@ import torch
 from dist_utils import run_distributed
 
 BUCKETS_MB = (0.1, 2.0)
+BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
 
 
-def _transients(rank: int, world: int) -> list[tuple[int, dict[str, int], int]]:
-    return [_transient(rank, world, b) for b in BUCKETS_MB]
+def _estimate_config():
+    from swan_dist.reference.model import LlamaConfig
+
+    return LlamaConfig(vocab_size=512, dim=64, n_layers=2, n_heads=4, ffn_dim=192)
+
+
+def _transients(rank: int, world: int) -> tuple[list, dict]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    sys.path.insert(0, BENCHMARKS)
+    from memory_estimate import fsdp2_step
+
+    real = fsdp2_step(_estimate_config(), init_device_mesh("cpu", (world,)), "owner", 16, 0.1, torch.float32)
+    return [_transient(rank, world, b) for b in BUCKETS_MB], real
 
 
 def _transient(rank: int, world: int, bucket_mb: float) -> tuple[int, dict[str, int], int]:
@@ -53,7 +71,8 @@ def _transient(rank: int, world: int, bucket_mb: float) -> tuple[int, dict[str, 
 
 def test_owner_step_transient_within_bound():
     bounds = {}
-    per_rank = run_distributed(_transients, 2)
+    results = run_distributed(_transients, 2)
+    per_rank = [r[0] for r in results]
     for i, bucket_mb in enumerate(BUCKETS_MB):
         for rank, (measured, bound, buckets) in enumerate(r[i] for r in per_rank):
             assert measured > 0, "nothing measured: the tracker saw no allocation in the step"
@@ -64,6 +83,18 @@ def test_owner_step_transient_within_bound():
     small, large = (max(bounds[b]) for b in BUCKETS_MB)
     assert small[1] > large[1], "the smaller bucket_mb should cut the matrices into more buckets"
     assert small[0] < large[0], "the bound should shrink with bucket_mb"
+
+    # the same owner step traced on the fake process group, rank by rank, in this process
+    sys.path.insert(0, BENCHMARKS)
+    from memory_estimate import trace_step
+
+    for rank, (_, real) in enumerate(results):
+        traced = trace_step(_estimate_config(), 2, "owner", 16, rank=rank, bucket_mb=0.1, dtype=torch.float32)
+        print(f"rank {rank}: traced peak {traced['peak_total']}, transient {traced['transient']}; real "
+              f"{real['peak_total']}, {real['transient']}")
+        assert real["transient"] > 0 and traced["transient"] == real["transient"]
+        assert traced["bound"] == real["bound"]
+        assert traced["peak_total"] <= real["peak_total"] <= traced["peak_total"] + traced["largest_unit_bytes"]
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ class LlamaConfig:
     dim: int = 128
     n_layers: int = 4
     n_heads: int = 4
+    n_kv_heads: int | None = None  # grouped-query attention's key/value heads; None: n_heads
     ffn_dim: int | None = None  # None: LLaMA rule, 8/3 * dim rounded up to a multiple of 32
     max_seq_len: int = 1024
     tie_embeddings: bool = False
@@ -34,6 +35,8 @@ class LlamaConfig:
             raise ValueError(f"dim ({self.dim}) must be divisible by n_heads ({self.n_heads})")
         if (self.dim // self.n_heads) % 2:
             raise ValueError("head dimension (dim / n_heads) must be even for rotary embeddings")
+        if self.n_kv_heads is not None and (self.n_kv_heads < 1 or self.n_heads % self.n_kv_heads):
+            raise ValueError(f"n_kv_heads ({self.n_kv_heads}) must divide n_heads ({self.n_heads})")
         if self.ffn_dim is None:
             self.ffn_dim = 32 * math.ceil(int(8 * self.dim / 3) / 32)
 
@@ -93,21 +96,21 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class Attention(nn.Module):
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
-        self.n_heads = cfg.n_heads
         self.head_dim = cfg.dim // cfg.n_heads
+        kv = (cfg.n_kv_heads or cfg.n_heads) * self.head_dim
         self.wq = nn.Linear(cfg.dim, cfg.dim, bias=False)
-        self.wk = nn.Linear(cfg.dim, cfg.dim, bias=False)
-        self.wv = nn.Linear(cfg.dim, cfg.dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, kv, bias=False)
+        self.wv = nn.Linear(cfg.dim, kv, bias=False)
         self.wo = nn.Linear(cfg.dim, cfg.dim, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
 
         def heads(proj: nn.Linear) -> torch.Tensor:
-            return proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
+            return proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)  # -1: local heads under TP
 
         q, k, v = apply_rope(heads(self.wq), cos, sin), apply_rope(heads(self.wk), cos, sin), heads(self.wv)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
         return self.wo(y.transpose(1, 2).reshape(b, t, -1))  # -1: the local heads under tensor parallelism
 
 
