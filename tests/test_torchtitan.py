@@ -4,9 +4,17 @@
 
 Every run starts from one seed checkpoint (torchtitan's ``create_seed_checkpoint``) and sees the same global
 batches, in float32 with the same clipping; the weights torchtitan's checkpointer saves after the last step must
-equal the W=1 run's: FSDP2, HSDP, FSDP2 + TP, PP=2 (interleaved: two model parts per rank), EP on the MoE model;
-a checkpoint saved at step 2 resumes to the same step 3 at W=2 and at W=4. Launches are shared (several jobs per
-launch, ``---`` between them) to keep the import and start-up cost down.
+equal the W=1 run's, for every layout at W=2 and at W=4:
+
+- FSDP2: dp_shard 2 | dp_shard 4;
+- PP=2 (interleaved: two model parts per rank): PP alone | PP 2 x FSDP2 2;
+- TP=2: TP alone | FSDP2 2 x TP 2;
+- EP on the MoE model: EP 2 over dp_shard 2 | EP 2 within dp_shard 4 (the experts FSDP-sharded over the other
+  2, torchtitan's efsdp) and EP 4 over dp_shard 4;
+- HSDP: W=4 only, by construction (replicate 2 x shard 2; at W=2 one of the two is 1: DDP or FSDP2).
+
+A checkpoint saved at step 2 resumes to the same step 3 at W=2 and at W=4. Launches are shared (several jobs of
+one world size per launch, ``---`` between them) to keep the import and start-up cost down.
 """
 
 from __future__ import annotations
@@ -82,9 +90,11 @@ def runs(tmp_path_factory):
                          job(root, "seed_dsv3", "dsv3_swan", *seed, seed=False),
                          job(root, "ref_llama3", "llama3_swan"),
                          job(root, "ref_dsv3", "dsv3_swan")], root)
+    pp2, ep2, tp2 = (["--parallelism.pipeline_parallel_degree", "2"], ["--parallelism.expert_parallel_degree", "2"],
+                     ["--parallelism.tensor_parallel_degree", "2"])
     outs[2] = launch(2, [job(root, "fsdp2_w2", "llama3_swan", "--checkpoint.interval", "2"),
-                         job(root, "pp2", "llama3_swan", "--parallelism.pipeline_parallel_degree", "2"),
-                         job(root, "ep2", "dsv3_swan", "--parallelism.expert_parallel_degree", "2")], root)
+                         job(root, "pp2_w2", "llama3_swan", *pp2),
+                         job(root, "ep2_w2", "dsv3_swan", *ep2)], root)
     # resumes from fsdp2_w2's step 2: at W=2 and at W=4 (the data set gives every step the same global batch)
     for name in ("resume_w2", "resume_w4"):
         os.makedirs(os.path.join(root, name, "ckpt"))
@@ -92,24 +102,33 @@ def runs(tmp_path_factory):
     resume = ["--checkpoint.exclude_from_loading", "dataloader"]
     dp4 = ["--training.local_batch_size", "1"]  # global batch 4 over 4 data-parallel ranks
     outs[4] = launch(4, [job(root, "hsdp_w4", "llama3_swan", "--parallelism.data_parallel_replicate_degree", "2", *dp4),
-                         job(root, "resume_w4", "llama3_swan", *resume, *dp4, seed=False)], root)
+                         job(root, "resume_w4", "llama3_swan", *resume, *dp4, seed=False),
+                         job(root, "fsdp2_w4", "llama3_swan", *dp4),
+                         job(root, "pp2_w4", "llama3_swan", *pp2, "--parallelism.data_parallel_shard_degree", "2"),
+                         job(root, "ep2_w4", "dsv3_swan", *ep2, *dp4),  # efsdp 2: the experts FSDP-sharded too
+                         job(root, "ep4_w4", "dsv3_swan", "--parallelism.expert_parallel_degree", "4", *dp4)], root)
     # FSDP2 + TP in a launch of its own: run after HSDP in one launch it did not finish within 15 minutes
     # (on a heavily loaded machine; alone it ran in under 2)
-    outs[5] = launch(4, [job(root, "fsdp2_tp_w4", "llama3_swan", "--parallelism.tensor_parallel_degree", "2")], root)
-    outs[3] = launch(2, [job(root, "resume_w2", "llama3_swan", *resume, seed=False)], root)
+    outs[5] = launch(4, [job(root, "fsdp2_tp_w4", "llama3_swan", *tp2)], root)
+    # TP alone at W=2 (first in its launch, as FSDP2 + TP is alone in its own)
+    outs[3] = launch(2, [job(root, "tp2_w2", "llama3_swan", *tp2),
+                         job(root, "resume_w2", "llama3_swan", *resume, seed=False)], root)
     return root, outs
 
 
-@pytest.mark.parametrize("name", ["fsdp2_w2", "pp2", "hsdp_w4", "fsdp2_tp_w4"])
+@pytest.mark.parametrize("name", ["fsdp2_w2", "fsdp2_w4", "pp2_w2", "pp2_w4", "tp2_w2", "fsdp2_tp_w4", "hsdp_w4"])
 def test_llama3_layouts_equal_w1(runs, name):
     assert_same(runs[0], name, "ref_llama3")
 
 
-def test_moe_expert_parallel_equals_w1(runs):
+@pytest.mark.parametrize("name", ["ep2_w2", "ep2_w4", "ep4_w4"])
+def test_moe_expert_parallel_equals_w1(runs, name):
     import re
-    # torchtitan's grouped experts (E, out, in) are whitened per expert, not left to the fallback
-    assert re.search(r"SWAN\s+layers\.\*\.moe\.routed_experts\.inner_experts\.w2_EDF\s+x5\s+\[8, 256, 256\]", runs[1][1])
-    assert_same(runs[0], "ep2", "ref_dsv3")
+    # torchtitan's grouped experts (E, out, in) are whitened per expert, not left to the fallback (SWAN's summary
+    # in the output of the launch that ran the job)
+    out = runs[1][int(name[-1])]
+    assert re.search(r"SWAN\s+layers\.\*\.moe\.routed_experts\.inner_experts\.w2_EDF\s+x5\s+\[8, 256, 256\]", out)
+    assert_same(runs[0], name, "ref_dsv3")
 
 
 @pytest.mark.parametrize("name", ["resume_w2", "resume_w4"])
