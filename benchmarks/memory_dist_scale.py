@@ -141,6 +141,32 @@ def trace_table(rows: list[dict]) -> tuple[list[str], list[str]]:
     return lines, checks
 
 
+def reading(rows: list[dict]) -> str:
+    """What the traces say, from their figures."""
+    by = {(r["size"], r["world"], r["variant"]): r for r in rows}
+    out = []
+    for (size, world, v), r in by.items():
+        a, bw = by.get((size, world, "adamw")), by.get((size, world, "backward"))
+        if v != "owner" or not a:
+            continue
+        step_peak = r["live_before_step"] + r["transient"]
+        where = ("inside `step()`" if step_peak >= r["peak_before_step"] else
+                 f"in forward/backward (the step reaches {step_peak / GiB:,.2f})")
+        text = (f"{size} W={world:,}: SWAN‡ {r['peak_total'] / GiB:,.2f} GiB against AdamW's {a['peak_total'] / GiB:,.2f} "
+                f"({r['peak_total'] / a['peak_total']:.2f}x; AdamW's state {a['state_bytes'] / GiB:,.2f}), its peak "
+                f"{where}")
+        if bw:
+            text += (f"; in backward {bw['peak_total'] / GiB:,.2f} (live bytes when backward ends "
+                     f"{bw['live_before_step'] / GiB:,.2f} against {r['live_before_step'] / GiB:,.2f})")
+        out.append(text + ".")
+    return ("Reading, per shape and W: " + " ".join(out) + " Where the peak falls in forward/backward (saved "
+            "activations, the unit being gathered and reduced) the step's transient sits under it and costs "
+            "nothing; SWAN‡ then saves AdamW's whole sharded state, which shrinks as 1/W. Updates in backward "
+            "drop every gradient before backward ends, but their unit step's transient now lands while "
+            "activations are live: they pay off while a rank's gradients (2 bytes per parameter / W) outweigh "
+            "one unit's whitening transient, and not at large W with large matrices.") if out else ""
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sizes", default="7b,70b")
@@ -174,22 +200,24 @@ def main() -> None:
     if args.no_write:
         return
     body = "\n".join([
-        f"What a SWAN‡ step adds per rank under FSDP2 (bf16 parameters, `bucket_mb={args.bucket_mb:g}`, the "
-        f"{args.device} flush size): the bound of docs/engine.md (\"Memory a step adds\", "
-        "`Exchange.transient_bound`) on the schedule the planner makes for FSDP2's row shards, for rank 0 and "
-        "for the rank that computes the most bytes; no process group, nothing allocated. The same function is "
-        "checked against measured transients at W = 2 and 4 in \"Memory, distributed\". AdamW's state per rank "
-        "(two moments in bf16, sharded 1/W) is computed from the shapes. The forward/backward peak at these "
-        "shapes is not estimated here.", "", *lines, "",
-        "Reading: at 7B the step adds 1.2-1.4 GiB per rank whatever W (one phase of full fp32 matrices, its "
-        "whitening workspace and buffers); at 70B 6-8.5 GiB, set by the largest matrix (28,672 x 8,192: 896 MiB in "
-        "fp32, larger than `bucket_mb`, so alone in its cell) and its workspace. At W = 8 that is under AdamW's "
-        "sharded state (about half at 7B, a quarter at 70B); from W = 64 on it is more: under FSDP2 at large W, "
-        "SWAN's saving per rank is AdamW's state minus this transient, and turns negative. `bucket_mb` bounds a "
-        "cell, not one matrix: at W >= 64 AdamW (or `mode=\"replicated\"` with a smaller stack) is the leaner "
-        "choice per rank for the step; the gradients, parameters and activations, alike for both, are not in "
-        "this table."])
-    write_section("memory-dist-scale", "Memory, distributed, at scale (no device: the plan's step bound)", body)
+        f"What a SWAN‡ step adds per rank under FSDP2 (bf16 parameters, `bucket_mb={args.bucket_mb:g}`), and the "
+        "whole step's peak per rank, at shapes and world sizes no machine here holds. **The bound** (first table, "
+        f"the {args.device} flush size): docs/engine.md's (\"Memory a step adds\", `Exchange.transient_bound`) on "
+        "the schedule the planner makes for FSDP2's row shards, for rank 0 and for the rank that computes the most "
+        "bytes; no process group, nothing allocated; AdamW's state per rank (two bf16 moments, sharded 1/W) from "
+        "the shapes.", "", *lines, "",
+        f"**The whole step traced** (second table; benchmarks/memory_estimate.py): one rank of W on torch's fake "
+        f"process group, the reference LLaMA at the shape (70B with 8 key/value heads) built under `FakeTensorMode` "
+        f"and sharded as the reference trainer shards it (embeddings, each block, the head: one FSDP2 unit each), "
+        f"bf16, batch 1 x {args.seq} tokens, no activation checkpointing, two steps under `FSDPMemTracker` with the "
+        "real optimizer (the second counted): torch's AdamW (foreach) on rank 0, SWAN‡ on the rank with the largest "
+        "owner bound. GiB per rank at the tracker's peak; *+ one RS input*: the trace plus the largest unit's "
+        "reduce-scatter input, which a real run can hold at its peak and the fake process group does not (at the "
+        "shapes both run, real peaks lie between the two columns: \"Memory, distributed\"); *step transient*: the "
+        "peak inside `step()` over the live bytes before it, against that rank's bound on the CPU engine's "
+        "budgets.", "", *tlines, "", "Checks:", "", *[f"- {c}" for c in checks], "", reading(traced)])
+    write_section("memory-dist-scale", "Memory, distributed, at scale (no device: the step bound and one rank's "
+                  "whole step traced)", body)
 
 
 if __name__ == "__main__":
