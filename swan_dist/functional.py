@@ -346,6 +346,9 @@ def _swan_update(g: Tensor, cfg: WhitenConfig) -> tuple[Tensor, Tensor]:
     return upd, finite[..., 0, 0]
 
 
+_PRODUCT_BLOCK_BYTES = 4 << 20  # the gram-first path's final product, made this many bytes at a time
+
+
 def _swan_update_gram_first(g: Tensor, cfg: WhitenConfig, wdtype: torch.dtype, out_dtype: torch.dtype):
     """SWAN with GradNorm folded into the Gram, for a Gram on the input side (in <= out).
 
@@ -353,7 +356,8 @@ def _swan_update_gram_first(g: Tensor, cfg: WhitenConfig, wdtype: torch.dtype, o
     D's entries come from ``gᵀg``'s diagonal (the column sums of squares): GradNorm costs no pass over
     the gradient, and D is folded into the small matrices (:func:`_whitener`), the result being
     ``g (Z D)ᵀ``. Passes over the matrix: the cast to the whitening dtype (none if it has it), the two
-    GEMMs, the cast of the result to fp32, the rescale's norm and an in-place multiply.
+    GEMMs, the cast of the result to fp32 (block by block, so the product in the whitening dtype never
+    exists whole), the rescale's norm and an in-place multiply.
 
     Returns None, for the general path to handle exactly, when some column's sum of squares is zero,
     non-finite (a NaN/Inf gradient) or outside [1e-30, 1e30] (where the Gram of the raw gradient
@@ -366,7 +370,13 @@ def _swan_update_gram_first(g: Tensor, cfg: WhitenConfig, wdtype: torch.dtype, o
         return None
     d = sq.rsqrt().mul_(math.sqrt(g.shape[-2]))  # GradNorm: each input index over its RMS
     z = _whitener(a, cfg.method, cfg.steps, cfg.beta, d)
-    upd = torch.matmul(xb, z.mT).to(out_dtype)  # (X_paper)ᵀ in torch layout: g·(Z D)ᵀ; a new tensor
+    if wdtype == out_dtype:
+        upd = torch.matmul(xb, z.mT)  # (X_paper)ᵀ in torch layout: g·(Z D)ᵀ; a new tensor
+    else:  # row blocks cast into the fp32 update: no whole product in the whitening dtype beside it
+        upd = torch.empty(xb.shape, dtype=out_dtype, device=xb.device)
+        rows = max(1, _PRODUCT_BLOCK_BYTES // max(1, xb[..., :1, :].numel() * xb.element_size()))
+        for i in range(0, xb.shape[-2], rows):
+            upd[..., i:i + rows, :] = torch.matmul(xb[..., i:i + rows, :], z.mT)
     norm = _norm(upd, (-2, -1))  # of the widened update, so no bf16-rounded scale
     return upd.mul_(_rescale_factor(upd, norm)), norm.isfinite()
 
