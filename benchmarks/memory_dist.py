@@ -404,6 +404,7 @@ def _prepare(layout: str) -> None:
     # torch.distributed's deprecation notes for the collectives DeepSpeed and Megatron call
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed\.")
     if layout.startswith("zero"):
+        os.environ["DS_ACCELERATOR"] = "cpu"  # the model and gloo on the CPU, also where a GPU is present
         import deepspeed  # noqa: F401
     elif layout == "megatron":
         sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
@@ -551,6 +552,11 @@ OPT = ("Optstate", "OptState")
 MASTERS = ("Framework masters",)
 
 
+def _worst(r: dict) -> dict:
+    """The rank of a row whose step transient comes closest to its bound (rows saved before it was kept: the row's)."""
+    return r.get("worst_bound") or {"rank": r["rank"], "transient": r["transient"], "bound": r["bound"]["total"]}
+
+
 def _label(r: dict) -> str:
     if r["variant"] == "adamw" and r["layout"].startswith("zero"):
         return "AdamW (torch, DeepSpeed `torch_adam`)"
@@ -642,7 +648,7 @@ def report(rows: list[dict], sweep: list[dict], args) -> tuple[str, list[str]]:
             notes.append("under Megatron gloo's coalesced reduce-scatter copies the whole fp32 gradient buffer "
                          "(comm. buffers; NCCL reduces in place)")
         over = [f"{LAYOUT_NAMES[r['layout']]} W={r['world']} {VARIANTS[r['variant']]}" for r in rows
-                if "bound" in r and r["transient"] > 1.10 * r["bound"]["total"]]
+                if "bound" in r and _worst(r)["transient"] > 1.10 * _worst(r)["bound"]]
         bounds = (f"The transient a SWAN step adds exceeds its bound by more than 10 % in: {', '.join(over)}"
                   if over else "The transient a SWAN step adds stays under its bound (measured / bound in the table)")
         lines += ["", "Reading: " + " ".join(reading) + " " + bounds + "".join(f"; {n}" for n in notes) + "."]
@@ -668,10 +674,13 @@ def report(rows: list[dict], sweep: list[dict], args) -> tuple[str, list[str]]:
                           f"gradients {_m(grads)} MiB: {'OK' if saved >= grads else 'NOT MET'}")
     for r in rows:
         if r["layout"] in FRAMEWORKS and "bound" in r:
-            ratio = r["transient"] / r["bound"]["total"]
-            checks.append(f"{LAYOUT_NAMES[r['layout']]} W={r['world']} {VARIANTS[r['variant']]}: step transient "
-                          f"{r['transient'] / MiB:,.1f} MiB / bound {r['bound']['total'] / MiB:,.1f} MiB = {ratio:.2f} "
-                          f"{'OK' if ratio <= 1.10 else 'VIOLATED'} (<= 1.10)")
+            w = _worst(r)
+            ratio = w["transient"] / w["bound"]
+            checks.append(f"{LAYOUT_NAMES[r['layout']]} W={r['world']} {VARIANTS[r['variant']]}: step transient / "
+                          f"bound, {'the largest over ranks (rank' if 'worst_bound' in r else '(rank'} {w['rank']}): "
+                          f"{w['transient'] / MiB:,.1f} / "
+                          f"{w['bound'] / MiB:,.1f} MiB = {ratio:.2f} {'OK' if ratio <= 1.10 else 'VIOLATED'} "
+                          "(<= 1.10)")
     if checks:
         lines += ["", "Checks:", ""] + [f"- {c}" for c in checks]
     return "\n".join(lines), checks
@@ -704,7 +713,13 @@ def estimates_report(est: list[dict], rows: list[dict]) -> tuple[str, list[str]]
 
 
 def _largest(ranks: list[dict]) -> dict:
-    return max(ranks, key=lambda r: r["peak_total"])
+    """The rank with the largest live peak, with the rank whose step transient comes closest to its bound."""
+    top = dict(max(ranks, key=lambda r: r["peak_total"]))
+    bounded = [r for r in ranks if "bound" in r]
+    if bounded:
+        worst = max(bounded, key=lambda r: r["transient"] / r["bound"]["total"])
+        top["worst_bound"] = {"rank": worst["rank"], "transient": worst["transient"], "bound": worst["bound"]["total"]}
+    return top
 
 
 def main() -> None:
