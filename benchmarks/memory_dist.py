@@ -1,7 +1,7 @@
-"""Peak memory per rank of a whole training step under DDP and FSDP2 (spawned processes, gloo on the CPU),
-AdamW against SWAN‡ in owner and replicated mode and FSDP2 with ``step_in_backward=True``, on the same
-model and data, and the transient a SWAN step adds against the stated bound (docs/engine.md, "Memory a
-step adds") for several ``bucket_mb``.
+"""Peak memory per rank of a whole training step under DDP, FSDP2, DeepSpeed ZeRO-1/2/3 and Megatron-core's
+distributed optimizer (spawned processes, gloo on the CPU), AdamW against SWAN‡ in owner and replicated mode
+and FSDP2 with ``step_in_backward=True``, on the same model and data, and the transient a SWAN step adds
+against the stated bound (docs/engine.md, "Memory a step adds") for several ``bucket_mb``.
 
 Model: the reference LLaMA at a ``MODEL_SIZES`` shape with the papers' 32k vocabulary, bf16 weights (no
 fp32 master, no autocast), batch 1 x ``--seq`` tokens per rank, built on ``meta`` and materialised in place
@@ -16,6 +16,24 @@ W) runs in fresh processes, one configuration after another, and each rank measu
    bytes just before it (SWAN's assembled fp32 matrices, whitening workspace, exchange buffers and the
    fallback rule's temporaries), against the rank's bound computed from its own exchange schedule.
 
+Frameworks (``--layouts zero1,zero2,zero3,megatron``):
+
+- ``zero1``/``zero2``/``zero3``: ``deepspeed.initialize`` with ``bf16`` enabled (fp32 master partitions, DeepSpeed's
+  usual) and DeepSpeed's other settings at their defaults; the optimizer from the JSON: torch's AdamW
+  (``"torch_adam": true``: DeepSpeed's own Adam ops need a JIT build) or ``"type": "SWAN"``. The optimizer step
+  measured is the inner ``torch.optim.Optimizer``'s (what SWAN's bound is about; ZeRO-3 calls it once per
+  sub-group: the largest), and apart from it DeepSpeed's whole ``engine.step()`` (the *framework step*).
+- ``megatron``: megatron-core ``GPTModel`` (``build_gpt`` of tests/megatron_harness.py with its CPU shims: local
+  layer spec, LayerNorm and linear biases, SwiGLU, RoPE, untied embeddings) at the LLaMA shape of ``--size``,
+  bf16 (``Float16Module``), in Megatron DDP with ``use_distributed_optimizer=True``; Megatron's Adam
+  (``get_megatron_optimizer``) or SWAN‡ (``get_swan_optimizer``) with the same ``OptimizerConfig``. The framework
+  step is Megatron's ``optimizer.step()``.
+
+Under both, what the framework allocates is named: its fp32 master copies (``framework masters``), its gradient
+buffers and partitions (``grads``), its communication buckets (``comm. buffers``) and ZeRO-3's gathered
+parameters (``params``): tensors it holds before the tracked step by where they sit in its objects, tensors
+allocated during the step by the framework code that allocates them.
+
 Writes the ``memory-dist`` section of docs/benchmarks.md and docs/results/memory-dist.json.
 
     python benchmarks/memory_dist.py --size small --no-write           # quick check
@@ -25,10 +43,12 @@ Writes the ``memory-dist`` section of docs/benchmarks.md and docs/results/memory
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import socket
 import sys
+import sysconfig
 import tempfile
 import time
 
@@ -46,7 +66,13 @@ VARIANTS = {
     "replicated": "SWAN‡ replicated mode",
     "backward": "SWAN‡ owner, step_in_backward",
 }
-LAYOUT_VARIANTS = {"fsdp2": ("adamw", "owner", "replicated", "backward"), "ddp": ("adamw", "owner", "replicated")}
+LAYOUT_VARIANTS = {"fsdp2": ("adamw", "owner", "replicated", "backward"), "ddp": ("adamw", "owner", "replicated"),
+                   **{f"zero{s}": ("adamw", "owner", "replicated") for s in (1, 2, 3)},
+                   "megatron": ("adamw", "owner", "replicated")}
+LAYOUT_NAMES = {"fsdp2": "FSDP2", "ddp": "DDP", "zero1": "ZeRO-1", "zero2": "ZeRO-2", "zero3": "ZeRO-3",
+                "megatron": "Megatron DistOpt"}
+FRAMEWORKS = ("zero1", "zero2", "zero3", "megatron")
+_HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 # ---------------------------------------------------------------------------------------------- ranks
@@ -84,86 +110,391 @@ def _optimizer(variant: str, model, bucket_mb: float):
                           step_in_backward=variant == "backward")
 
 
+def _swan_options(variant: str, bucket_mb: float) -> dict:
+    return {"preset": "swan_ddagger", "verbose": False, "mode": variant, "bucket_mb": bucket_mb}
+
+
+class _Run:
+    """One layout's model and optimizer on this rank: ``iteration()`` runs forward, backward and the step;
+    ``inners`` are the ``torch.optim.Optimizer``s whose ``step()`` is the optimizer step measured;
+    ``framework_step`` (object, attribute) is the framework's whole step where there is one; ``held()`` the
+    tensors the framework keeps outside the module and the optimizers' state, with their categories."""
+
+    def __init__(self, module, inners, params: int, iteration, framework_step=None, held=lambda: []):
+        self.module, self.inners, self.params, self.iteration = module, inners, params, iteration
+        self.framework_step, self.held = framework_step, held
+
+
+def _torch_run(layout: str, variant: str, world: int, args, x, y) -> _Run:
+    model, _ = _build(args.size, layout, world)
+    opt = _optimizer(variant, model, args.bucket_mb)
+
+    def iteration() -> None:
+        opt.zero_grad(set_to_none=True)
+        loss = model(x, y)[1]
+        loss.backward()
+        opt.step()
+
+    return _Run(model, [opt], sum(getattr(p, "_local_tensor", p).numel() for p in model.parameters()), iteration)
+
+
+def _deepspeed_run(layout: str, variant: str, world: int, args, x, y) -> _Run:
+    """DeepSpeed's engine at ZeRO stage ``layout[-1]`` with bf16 (fp32 master partitions) and DeepSpeed's
+    defaults otherwise; the optimizer from the JSON: torch's AdamW (``torch_adam``) or ``"type": "SWAN"``
+    (``import swan_dist`` registers it; SWAN finds the engine's model for the parameters' names)."""
+    import deepspeed
+
+    import swan_dist  # noqa: F401 - registers "SWAN" with DeepSpeed
+    from swan_dist.integrations.deepspeed import master_weights
+    from swan_dist.memory import client_optimizer
+
+    model, _ = _build(args.size, "zero", world)
+    if variant == "adamw":
+        optimizer = {"type": "AdamW", "params": {"lr": 3e-4, "torch_adam": True}}
+    else:
+        optimizer = {"type": "SWAN", "params": _swan_options(variant, args.bucket_mb)}
+    config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "steps_per_print": 10**9,
+              "optimizer": optimizer, "bf16": {"enabled": True}, "zero_optimization": {"stage": int(layout[-1])}}
+    engine, wrapper, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+
+    def iteration() -> None:
+        loss = engine(x, y)[1]
+        engine.backward(loss)
+        engine.step()  # DeepSpeed's step clears the gradients
+
+    def held() -> list:
+        partitions = [p.ds_tensor for p in engine.module.parameters() if hasattr(p, "ds_tensor")]  # ZeRO-3
+        return _framework_tensors([wrapper], _flat(master_weights(wrapper))) + [(t, "param") for t in partitions]
+
+    params = sum(p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel() for p in engine.module.parameters())
+    return _Run(engine, [client_optimizer(wrapper)], params, iteration, (engine, "step"), held)
+
+
+def _megatron_run(variant: str, world: int, args) -> _Run:
+    """megatron-core's GPTModel at the LLaMA shape of ``args.size`` (tests/megatron_harness.py ``build_gpt``),
+    bf16, in Megatron DDP with the distributed optimizer: Megatron's Adam or SWAN‡ from the same config."""
+    import megatron_harness as harness
+    from megatron.core import parallel_state as ps
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    from swan_dist.integrations.megatron_factory import get_swan_optimizer
+    from swan_dist.reference.model import model_config
+
+    cfg = model_config(args.size, vocab_size=32000)
+    ps.initialize_model_parallel()
+    chunks, _ = harness.build_gpt(1, hidden=cfg.dim, ffn=cfg.ffn_dim, layers=cfg.n_layers, heads=cfg.n_heads,
+                                  query_groups=cfg.n_kv_heads or cfg.n_heads, vocab=cfg.vocab_size, seq=args.seq,
+                                  tied=cfg.tie_embeddings, bf16=True, use_distributed_optimizer=True)
+    ocfg = OptimizerConfig(optimizer="adam", lr=3e-4, min_lr=3e-5, bf16=True, use_distributed_optimizer=True)
+    if variant == "adamw":
+        opt = get_megatron_optimizer(ocfg, chunks)
+    else:
+        opt = get_swan_optimizer(ocfg, chunks, swan=_swan_options(variant, args.bucket_mb))
+    wrappers = getattr(opt, "chained_optimizers", [opt])
+    batch = harness.dp_share(harness.global_batch(0, world, args.seq, cfg.vocab_size),
+                             ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())
+
+    def iteration() -> None:
+        harness.train_step(chunks, opt, batch)
+
+    def held() -> list:
+        masters = [t for w in wrappers for name in ("shard_fp32_from_float16_groups", "fp32_from_float16_groups")
+                   for t in _flat(getattr(w, name, []))]
+        return _framework_tensors([opt, *chunks], masters)
+
+    return _Run(chunks[0], [w.optimizer for w in wrappers], sum(p.numel() for c in chunks for p in c.parameters()),
+                iteration, (opt, "step"), held)
+
+
+def _flat(value) -> list:
+    if torch.is_tensor(value):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _flat(v)]
+    return []
+
+
+def _framework_tensors(roots: list, masters: list) -> list:
+    """(tensor, category) for the tensors a framework's objects hold (DeepSpeed's and Megatron's classes, and
+    the attributes of their modules that are not parameters or submodules), by where they sit: ``masters``
+    (its fp32 master copies) as masters, else by the attribute names on the way (``ipg``: DeepSpeed's
+    reduce buckets, ``grad``: gradient buffers and partitions, ``param``/``bit16``/``fp16``: parameters)."""
+    import warnings
+
+    found: list = []
+    seen: set[int] = set()
+
+    def visit(obj, path: str, depth: int) -> None:
+        if depth > 6 or id(obj) in seen:
+            return
+        seen.add(id(obj))
+        if torch.is_tensor(obj):
+            found.append((path, obj))
+            if obj.grad is not None:
+                found.append((path + ".grad", obj.grad))
+        elif isinstance(obj, (list, tuple)):
+            for i, v in enumerate(obj):
+                visit(v, f"{path}[{i}]", depth + 1)
+        elif isinstance(obj, dict):
+            for k, v in list(obj.items()):
+                visit(v, f"{path}[{k if isinstance(k, (str, int)) else type(k).__name__}]", depth + 1)
+        elif isinstance(obj, torch.nn.Module):
+            for k, v in vars(obj).items():
+                if not k.startswith("_") and k not in ("module", "config"):
+                    visit(v, f"{path}.{k}", depth + 1)
+        elif hasattr(obj, "__dict__") and any(c.__module__.split(".")[0] in ("deepspeed", "megatron")
+                                              for c in type(obj).__mro__):  # subclasses too (SWAN's)
+            for k, v in vars(obj).items():
+                visit(v, f"{path}.{k}", depth + 1)
+
+    with warnings.catch_warnings():  # .grad of a non-leaf tensor
+        warnings.simplefilter("ignore")
+        for root in roots:
+            visit(root, type(root).__name__, 0)
+    found += [("masters", t) for t in masters]
+    master_ptrs = {t.untyped_storage().data_ptr() for t in masters if t.numel()}
+    order = ("master", "param", "grad", "comm", "other")
+    best: dict[int, tuple[str, torch.Tensor]] = {}
+    for path, t in found:
+        if t.device.type != "cpu" or t.numel() == 0:
+            continue
+        ptr, low = t.untyped_storage().data_ptr(), path.lower()
+        kind = ("master" if ptr in master_ptrs else "comm" if "ipg" in low else "grad" if "grad" in low
+                else "param" if any(w in low for w in ("param", "bit16", "fp16")) else "other")
+        if ptr not in best or order.index(kind) < order.index(best[ptr][0]):
+            best[ptr] = (kind, t)
+    return [(t, kind) for kind, t in best.values()]
+
+
 def _categories(snapshot: dict) -> dict[str, int]:
     dev = snapshot.get(torch.device("cpu"), {})
     return {getattr(k, "value", str(k)): int(v) for k, v in dev.items()}
 
 
+def _framework_tracker():
+    """torch's MemTracker naming what DeepSpeed and Megatron allocate: two more categories (``Framework
+    masters``, ``Framework comm``), and a tensor allocated outside the optimizer's step (where MemTracker
+    would say activation or temporary) is put by the framework code allocating it: ZeRO-3's parameter
+    gathers as parameters, DeepSpeed's reduce buckets and collectives as comm, the rest of DeepSpeed's and
+    Megatron's gradient and optimizer wrappers as gradients."""
+    from torch.distributed._tools.common_utils import get_untyped_storages
+    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType, _RefType
+
+    kinds = _RefType("_FrameworkRefType", {**{m.name: m.value for m in _MemRefType},
+                                           "MASTER": "Framework masters", "COMM": "Framework comm"})
+    sep = os.sep
+
+    site = sysconfig.get_paths()["purelib"] + sep
+    stdlib = sysconfig.get_paths()["stdlib"] + sep
+    harness = os.path.join(os.path.dirname(_HERE), "tests", "megatron_harness.py")
+    # frames that pass a call on: decorators, generic helpers, the CPU shims, ZeRO-3's linear autograd
+    # function (the model's matmuls)
+    neutral = (f"deepspeed{sep}utils{sep}nvtx.py", f"megatron{sep}core{sep}utils.py",
+               f"deepspeed{sep}runtime{sep}zero{sep}linear.py")
+
+    def allocated_by():
+        """The category of a tensor being allocated, from the frames calling: the innermost one that is
+        DeepSpeed's, Megatron's or the caller's decides; through a torch.distributed collective, comm."""
+        collective = False
+        f = sys._getframe(2)
+        while f is not None:
+            path, name = f.f_code.co_filename, f.f_code.co_name
+            f = f.f_back
+            if f"{sep}torch{sep}distributed{sep}distributed_c10d" in path:
+                collective = True
+            framework = path.startswith(site) and path[len(site):].split(sep)[0] in ("deepspeed", "megatron")
+            if ((path.startswith((site, stdlib)) and not framework) or path.endswith(neutral)
+                    or (path == harness and name != "train_step")):
+                continue
+            if not framework or path.endswith(f"runtime{sep}engine.py"):  # the model's, the engine's fwd/bwd
+                return None
+            if any(m in path for m in ("partition_parameters", "partitioned_param_coordinator", "parameter_offload")):
+                return _MemRefType.PARAM  # ZeRO-3's gathered parameters
+            if collective or name == "setup_buckets" or f"{sep}comm{sep}" in path:
+                return kinds.COMM
+            if f"{sep}megatron{sep}core{sep}optimizer{sep}" in path:
+                return _MemRefType.TEMP  # e.g. clipping's scaled copies (without apex)
+            return _MemRefType.GRAD  # gradient partitions, flat fp32 gradients, gradient buffers
+        return None
+
+    class FrameworkTracker(MemTracker):
+        def __init__(self) -> None:
+            super().__init__()
+            self._ref_class = kinds
+
+        def _track(self, reftype, t) -> None:
+            if reftype in (_MemRefType.ACT, _MemRefType.TEMP) and any(
+                    self._WINFO.get(st, (None, None))[0] is None for st in get_untyped_storages(t)):
+                reftype = allocated_by() or reftype
+            super()._track(reftype, t)
+
+        def _update_and_maybe_create_winfos(self, t, reftype, update_existing: bool = False):
+            # a framework's masters and buckets keep their category (ZeRO-3's gradients are views of its bucket)
+            if reftype not in (kinds.MASTER, kinds.COMM):
+                held = [self._WINFO.get(st, (None, None))[0] for st in get_untyped_storages(t)]
+                if any(w is not None and w.reftype in (kinds.MASTER, kinds.COMM) for w in held):
+                    return {w for w in held if w is not None}
+            return super()._update_and_maybe_create_winfos(t, reftype, update_existing)
+
+        def _track_module_params_and_buffers(self, module, install_grad_hooks: bool = True):
+            shadow = module.__dict__.pop("buffers", None)  # Megatron DDP's list of buffers hides Module.buffers()
+            try:
+                return super()._track_module_params_and_buffers(module, install_grad_hooks)
+            finally:
+                if shadow is not None:
+                    module.__dict__["buffers"] = shadow
+
+        def register(self, held: list) -> None:
+            names = {"master": kinds.MASTER, "comm": kinds.COMM, "grad": _MemRefType.GRAD,
+                     "param": _MemRefType.PARAM, "other": _MemRefType.OTH}
+            for t, kind in held:
+                if self._WINFO.get(t.untyped_storage(), (None, None))[0] is None or kind in ("master", "comm"):
+                    self._update_and_maybe_create_winfos(t, names[kind])
+
+    return FrameworkTracker()
+
+
+class _Marks:
+    """The peak inside a window (the optimizer's step, the framework's) minus the live bytes as it opens,
+    the largest over the window's calls (ZeRO-3 steps its optimizer once per sub-group); the tracker's
+    whole-step peak is kept."""
+
+    NAMES = {"step": ("live_before_step", "step_peak", "step_peak_categories", "transient"),
+             "framework": ("framework_live_before", "framework_peak", "framework_peak_categories",
+                           "framework_transient")}
+
+    def __init__(self, tracker) -> None:
+        self.tracker, self.out = tracker, {}
+
+    def wrap(self, obj, attr: str, key: str) -> None:
+        inner = getattr(obj, attr)
+
+        def call(*a, **k):
+            with self.window(key):
+                return inner(*a, **k)
+
+        setattr(obj, attr, call)
+
+    @contextlib.contextmanager
+    def window(self, key: str):
+        t, dev = self.tracker, torch.device("cpu")
+        before = dict(t.get_tracker_snapshot("current").get(dev, {}))
+        total = next((int(v) for k, v in before.items() if getattr(k, "value", k) == "Total"), 0)
+        self.out.setdefault("peak_before_" + key, max(t._peak_mem.values(), default=0))
+        saved, saved_snap = t._peak_mem, t._peak_mem_snap
+        t._peak_mem, t._peak_mem_snap = {dev: total}, {dev: before}
+        try:
+            yield
+        finally:
+            peak = max(t._peak_mem.values(), default=0)
+            live, top, cats, transient = self.NAMES[key]
+            if peak - total >= self.out.get(transient, -1):
+                self.out.update({live: total, top: peak, cats: _categories(t.get_tracker_snapshot("peak")),
+                                 transient: peak - total})
+            if max(saved.values(), default=0) >= peak:  # keep the whole step's peak
+                t._peak_mem, t._peak_mem_snap = saved, saved_snap
+
+
+def _prepare(layout: str) -> None:
+    """Import a framework before the baseline RSS is read (its libraries are not the step's memory).
+    megatron-core's ``megatron`` is a namespace package that benchmarks/megatron.py would shadow: this
+    folder leaves sys.path (what it serves is already imported) and tests/ (the CPU harness) joins it."""
+    import warnings
+
+    # torch.distributed's deprecation notes for the collectives DeepSpeed and Megatron call
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed\.")
+    if layout.startswith("zero"):
+        os.environ["DS_ACCELERATOR"] = "cpu"  # the model and gloo on the CPU, also where a GPU is present
+        import deepspeed  # noqa: F401
+    elif layout == "megatron":
+        sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
+        sys.path.append(os.path.join(os.path.dirname(_HERE), "tests"))
+        warnings.filterwarnings("ignore", module=r"megatron\.")
+        import megatron_harness
+
+        megatron_harness.install_cpu_shims()
+
+
 def _rank(rank: int, world: int, layout: str, variant: str, args) -> dict:
+    _prepare(layout)
     _settle()
     baseline = _status()["VmRSS"]
-    model, cfg = _build(args.size, layout, world)
-    opt = _optimizer(variant, model, args.bucket_mb)
+    cfg_vocab = 32000
     g = torch.Generator().manual_seed(rank + 1)
-    tokens = torch.randint(0, cfg.vocab_size, (1, args.seq + 1), generator=g)
+    tokens = torch.randint(0, cfg_vocab, (1, args.seq + 1), generator=g)
     x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-    marks: dict[str, int] = {}
-
-    def step(tracker=None) -> None:
-        opt.zero_grad(set_to_none=True)
-        loss = model(x, y)[1]
-        loss.backward()
-        if tracker is not None:  # the step's own peak, from the live bytes just before it
-            dev = torch.device("cpu")
-            before = tracker.get_tracker_snapshot("current").get(dev, {})
-            total = next((int(v) for k, v in before.items() if getattr(k, "value", k) == "Total"), 0)
-            marks["peak_before_step"] = max(tracker._peak_mem.values(), default=0)
-            saved = tracker._peak_mem_snap
-            tracker._peak_mem = {dev: total}
-            tracker._peak_mem_snap = {dev: dict(before)}
-            marks["live_before_step"] = total
-        opt.step()
-        if tracker is not None:
-            marks["step_peak"] = max(tracker._peak_mem.values(), default=0)
-            marks["step_peak_categories"] = _categories(tracker.get_tracker_snapshot("peak"))
-            if marks["peak_before_step"] > marks["step_peak"]:  # keep the whole step's peak
-                tracker._peak_mem = {torch.device("cpu"): marks["peak_before_step"]}
-                tracker._peak_mem_snap = saved
+    if layout.startswith("zero"):
+        run = _deepspeed_run(layout, variant, world, args, x, y)
+    elif layout == "megatron":
+        run = _megatron_run(variant, world, args)
+    else:
+        run = _torch_run(layout, variant, world, args, x, y)
 
     for _ in range(args.warmup):
-        step()
+        run.iteration()
     dist.barrier()
     _settle()
     between = _status()["VmRSS"]
     _reset_hwm()
-    step()
+    run.iteration()
     hwm = _status()["VmHWM"]
-    out = {"rank": rank, "rss_peak": hwm - baseline, "rss_between": between - baseline,
-           "params": sum(getattr(p, "_local_tensor", p).numel() for p in model.parameters())}
+    out = {"rank": rank, "rss_peak": hwm - baseline, "rss_between": between - baseline, "params": run.params,
+           "inner": type(run.inners[0]).__name__}
 
     from torch.distributed._tools.mem_tracker import MemTracker
 
     if layout == "fsdp2":
         from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
-        tracker = FSDPMemTracker(model, opt)
+        tracker = FSDPMemTracker(run.module, run.inners[0])
+    elif layout in FRAMEWORKS:
+        tracker = _framework_tracker()
     else:
         tracker = MemTracker()
-    tracker.track_external(model, opt)
+    tracker.track_external(run.module, *run.inners)
+    if layout in FRAMEWORKS:
+        tracker.register(run.held())
+    marks = _Marks(tracker)
+    saved = [(o, o.__dict__.get("step")) for o in run.inners]
+    for o in run.inners:
+        marks.wrap(o, "step", "step")
+    if run.framework_step is not None:
+        obj, attr = run.framework_step
+        marks.wrap(obj, attr, "framework")
     dist.barrier()
-    with tracker:
-        step(tracker)
-        whole = _categories(tracker.get_tracker_snapshot("peak"))
-    out.update(peak=whole, after=_categories(tracker.get_tracker_snapshot("current")), **marks)
-    out["peak_total"] = max(whole.get("Total", 0), marks.get("peak_before_step", 0), marks.get("step_peak", 0))
-    out["transient"] = marks["step_peak"] - marks["live_before_step"]
+    try:
+        with tracker:
+            run.iteration()
+            whole = _categories(tracker.get_tracker_snapshot("peak"))
+    finally:
+        for o, step in saved:
+            o.__dict__.pop("step", None)
+            if step is not None:
+                o.step = step
+        if run.framework_step is not None:
+            run.framework_step[0].__dict__.pop(run.framework_step[1], None)
+    out.update(peak=whole, after=_categories(tracker.get_tracker_snapshot("current")), **marks.out)
+    out["peak_total"] = max(whole.get("Total", 0), marks.out.get("peak_before_step", 0), marks.out.get("step_peak", 0))
     if variant in ("owner", "replicated"):
         from swan_dist import whitening
 
-        ex = next(iter(opt._memos.values())).plans.last if opt._memos else None
-        if ex is not None:
-            out["bound"] = ex.transient_bound(whitening._CPU_PASS_BYTES)
+        bounds = [ex.transient_bound(whitening._CPU_PASS_BYTES) for o in run.inners
+                  for memo in getattr(o, "_memos", {}).values() for ex in memo.plans.cache.values()]
+        if bounds:  # ZeRO-3: one plan per sub-group, stepped one after another
+            out["bound"] = max(bounds, key=lambda b: b["total"])
             out["bucket_mb"] = args.bucket_mb
     state = 0
-    for st in opt.state.values():
-        local = [getattr(t, "_local_tensor", t) for t in st.values() if torch.is_tensor(t) and t.dim() > 0]
-        state += sum(t.numel() * t.element_size() for t in local)
+    for o in run.inners:
+        for st in o.state.values():
+            local = [getattr(t, "_local_tensor", t) for t in st.values() if torch.is_tensor(t) and t.dim() > 0]
+            state += sum(t.numel() * t.element_size() for t in local)
     out["state_bytes"] = state
     return out
 
 
 def _worker(rank: int, world: int, port: int, layout: str, variant: str, args, path: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
@@ -171,6 +502,10 @@ def _worker(rank: int, world: int, port: int, layout: str, variant: str, args, p
         with open(os.path.join(path, f"{rank}.json"), "w") as f:
             json.dump(res, f)
     finally:
+        if layout == "megatron" and "megatron.core" in sys.modules:
+            from megatron.core import parallel_state as ps
+
+            ps.destroy_model_parallel()
         dist.destroy_process_group()
 
 
@@ -212,11 +547,26 @@ def _cat(r: dict, *names: str) -> int:
 
 PARAM = ("Parameter", "Sharded Param", "Unsharded Param")
 GRAD = ("Gradient", "Sharded Grad", "Unsharded Grad")
-COMM = ("All Gather", "Reduce Scatter")
+COMM = ("All Gather", "Reduce Scatter", "Framework comm")
 OPT = ("Optstate", "OptState")
+MASTERS = ("Framework masters",)
+
+
+def _worst(r: dict) -> dict:
+    """The rank of a row whose step transient comes closest to its bound (rows saved before it was kept: the row's)."""
+    return r.get("worst_bound") or {"rank": r["rank"], "transient": r["transient"], "bound": r["bound"]["total"]}
+
+
+def _label(r: dict) -> str:
+    if r["variant"] == "adamw" and r["layout"].startswith("zero"):
+        return "AdamW (torch, DeepSpeed `torch_adam`)"
+    if r["variant"] == "adamw" and r["layout"] == "megatron":
+        return f"Megatron Adam (`{r.get('inner', 'AdamW')}`)"
+    return VARIANTS[r["variant"]]
 
 
 def report(rows: list[dict], sweep: list[dict], args) -> tuple[str, list[str]]:
+    frameworks = [r for r in rows if r["layout"] in FRAMEWORKS]
     lines = [
         f"Reference LLaMA `{args.size}` (32k vocabulary, {rows[0]['params'] if rows else 0:,} parameters held by "
         f"the largest rank), bf16 weights, batch 1 x {args.seq} tokens per rank, gloo on the CPU, one process per rank; "
@@ -225,18 +575,39 @@ def report(rows: list[dict], sweep: list[dict], args) -> tuple[str, list[str]]:
         "above the process's RSS before the model was built (allocator trimmed, high-water mark reset before the "
         "step); **transient** = the peak inside `optimizer.step()` minus the live bytes just before it; **bound** = "
         "the rank's bound from its exchange schedule (docs/engine.md, \"Memory a step adds\").",
+    ]
+    if frameworks:
+        megatron = next((r for r in frameworks if r["layout"] == "megatron"), None)
+        lines += ["", "Frameworks: **ZeRO-1/2/3** = `deepspeed.initialize` with `bf16` enabled and DeepSpeed's "
+                  "other settings at their defaults (`reduce_bucket_size` 5e8 elements), the optimizer from its JSON "
+                  "(torch's AdamW as `\"torch_adam\": true`, SWAN‡ as `\"type\": \"SWAN\"`); **Megatron DistOpt** = "
+                  "megatron-core `GPTModel` at the same shape (tests/megatron_harness.py `build_gpt` with its CPU "
+                  "shims: LayerNorm and linear biases"
+                  + (f", {megatron['params']:,} parameters" if megatron else "")
+                  + "), bf16, Megatron DDP (fp32 gradient buffer) with `use_distributed_optimizer=True`, Megatron's "
+                  "Adam (`get_megatron_optimizer`) or SWAN‡ (`get_swan_optimizer`, the same `OptimizerConfig`). "
+                  "There the optimizer step is the inner `torch.optim.Optimizer`'s (ZeRO-3 runs it once per sub-group: "
+                  "the largest), and **framework step** = the same for the framework's whole step (`engine.step()`, "
+                  "Megatron's `optimizer.step()`: fp32 gradients, clipping, the optimizer, the parameters' copy-back "
+                  "and all-gather). **fp32 masters** = the framework's fp32 master copies of the bf16 parameters "
+                  "(DeepSpeed's partitions, Megatron's shards); the framework's gradient buffers and partitions count "
+                  "as grads, its reduce buckets and collective buffers as comm. buffers, ZeRO-3's gathered parameters "
+                  "as params."]
+    lines += [
         "",
-        "| layout | W | optimizer | live peak MiB | params | grads | opt. state | activations | temporaries "
-        "| comm. buffers | other | RSS peak MiB | step transient MiB | bound MiB |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| layout | W | optimizer | live peak MiB | params | grads | opt. state | fp32 masters | activations "
+        "| temporaries | comm. buffers | other | RSS peak MiB | step transient MiB | framework step MiB | bound MiB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         p = r["peak"]
-        cats = [_cat(r, *PARAM), _cat(r, *GRAD), _cat(r, *OPT), p.get("Activation", 0), p.get("Temp", 0), _cat(r, *COMM)]
+        cats = [_cat(r, *PARAM), _cat(r, *GRAD), _cat(r, *OPT), _cat(r, *MASTERS), p.get("Activation", 0),
+                p.get("Temp", 0), _cat(r, *COMM)]
         bound = f"{r['bound']['total'] / MiB:,.1f}" if "bound" in r else "-"
-        lines.append(f"| {r['layout'].upper()} | {r['world']} | {VARIANTS[r['variant']]} | {_m(r['peak_total'])} | "
+        framework = f"{r['framework_transient'] / MiB:,.1f}" if "framework_transient" in r else "-"
+        lines.append(f"| {LAYOUT_NAMES[r['layout']]} | {r['world']} | {_label(r)} | {_m(r['peak_total'])} | "
                      + " | ".join(_m(c) for c in cats) + f" | {_m(p.get('Total', 0) - sum(cats))} | {_m(r['rss_peak'])} "
-                     f"| {r['transient'] / MiB:,.1f} | {bound} |")
+                     f"| {r['transient'] / MiB:,.1f} | {framework} | {bound} |")
     checks: list[str] = []
     if sweep:
         lines += ["", "The transient against the bound, FSDP2 owner mode, per `bucket_mb` (the largest rank; "
@@ -254,7 +625,7 @@ def report(rows: list[dict], sweep: list[dict], args) -> tuple[str, list[str]]:
                           f"{'OK' if ratio <= 1.10 else 'VIOLATED'} (<= 1.10)")
     by = {(r["layout"], r["world"], r["variant"]): r for r in rows}
     reading = []
-    for layout in ("fsdp2", "ddp"):
+    for layout in LAYOUT_VARIANTS:
         for w in sorted({r["world"] for r in rows}):
             a = by.get((layout, w, "adamw"))
             if not a:
@@ -262,11 +633,25 @@ def report(rows: list[dict], sweep: list[dict], args) -> tuple[str, list[str]]:
             parts = [f"{VARIANTS[v]} {by[(layout, w, v)]['peak_total'] / a['peak_total']:.2f}x live, "
                      f"{by[(layout, w, v)]['rss_peak'] / a['rss_peak']:.2f}x resident"
                      for v in LAYOUT_VARIANTS[layout][1:] if (layout, w, v) in by]
-            reading.append(f"{layout.upper()} W={w}, against AdamW: " + "; ".join(parts) + ".")
+            if parts:
+                reading.append(f"{LAYOUT_NAMES[layout]} W={w}, against {_label(a)}: " + "; ".join(parts) + ".")
     if reading:
-        lines += ["", "Reading: " + " ".join(reading) + " The transient a SWAN step adds stays under its bound "
-                  "(measured / bound in the table); under DDP MemTracker does not see the reducer's gradient buckets "
-                  "(allocated by DDP's C++ reducer before the tracker starts), which the resident peak counts."]
+        layouts = {r["layout"] for r in rows}
+        notes = []
+        if "ddp" in layouts:
+            notes.append("under DDP MemTracker does not see the reducer's gradient buckets (allocated by DDP's C++ "
+                         "reducer before the tracker starts), which the resident peak counts")
+        if layouts & {"zero1", "zero2", "zero3"}:
+            notes.append("under ZeRO the live bytes count DeepSpeed's reduce bucket whole (`reduce_bucket_size`, "
+                         "5e8 bf16 elements, 954 MiB, by default), the resident peak only the pages written")
+        if "megatron" in layouts:
+            notes.append("under Megatron gloo's coalesced reduce-scatter copies the whole fp32 gradient buffer "
+                         "(comm. buffers; NCCL reduces in place)")
+        over = [f"{LAYOUT_NAMES[r['layout']]} W={r['world']} {VARIANTS[r['variant']]}" for r in rows
+                if "bound" in r and _worst(r)["transient"] > 1.10 * _worst(r)["bound"]]
+        bounds = (f"The transient a SWAN step adds exceeds its bound by more than 10 % in: {', '.join(over)}"
+                  if over else "The transient a SWAN step adds stays under its bound (measured / bound in the table)")
+        lines += ["", "Reading: " + " ".join(reading) + " " + bounds + "".join(f"; {n}" for n in notes) + "."]
     for w in sorted({r["world"] for r in rows}):
         a, o, bw = by.get(("fsdp2", w, "adamw")), by.get(("fsdp2", w, "owner")), by.get(("fsdp2", w, "backward"))
         if a and o and "bound" in o:
@@ -287,6 +672,15 @@ def report(rows: list[dict], sweep: list[dict], args) -> tuple[str, list[str]]:
             checks.append(f"FSDP2 W={w} live bytes when backward ends: ordinary {_m(o['live_before_step'])} MiB, "
                           f"step_in_backward {_m(bw['live_before_step'])} MiB: {_m(saved)} MiB less, the rank's "
                           f"gradients {_m(grads)} MiB: {'OK' if saved >= grads else 'NOT MET'}")
+    for r in rows:
+        if r["layout"] in FRAMEWORKS and "bound" in r:
+            w = _worst(r)
+            ratio = w["transient"] / w["bound"]
+            checks.append(f"{LAYOUT_NAMES[r['layout']]} W={r['world']} {VARIANTS[r['variant']]}: step transient / "
+                          f"bound, {'the largest over ranks (rank' if 'worst_bound' in r else '(rank'} {w['rank']}): "
+                          f"{w['transient'] / MiB:,.1f} / "
+                          f"{w['bound'] / MiB:,.1f} MiB = {ratio:.2f} {'OK' if ratio <= 1.10 else 'VIOLATED'} "
+                          "(<= 1.10)")
     if checks:
         lines += ["", "Checks:", ""] + [f"- {c}" for c in checks]
     return "\n".join(lines), checks
@@ -319,7 +713,13 @@ def estimates_report(est: list[dict], rows: list[dict]) -> tuple[str, list[str]]
 
 
 def _largest(ranks: list[dict]) -> dict:
-    return max(ranks, key=lambda r: r["peak_total"])
+    """The rank with the largest live peak, with the rank whose step transient comes closest to its bound."""
+    top = dict(max(ranks, key=lambda r: r["peak_total"]))
+    bounded = [r for r in ranks if "bound" in r]
+    if bounded:
+        worst = max(bounded, key=lambda r: r["transient"] / r["bound"]["total"])
+        top["worst_bound"] = {"rank": worst["rank"], "transient": worst["transient"], "bound": worst["bound"]["total"]}
+    return top
 
 
 def main() -> None:
@@ -331,7 +731,8 @@ def main() -> None:
     p.add_argument("--bucket-mb", dest="bucket_mb", type=float, default=256.0)
     p.add_argument("--sweep", default="4,16,64", help="bucket_mb values of the transient sweep (FSDP2 owner mode)")
     p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--estimate", type=int, default=1, help="1: trace the same steps on the fake process group")
+    p.add_argument("--estimate", type=lambda v: int(v or 0), default=1,
+                   help="1: trace the same FSDP2 steps on the fake process group (0 or empty: not)")
     p.add_argument("--from-json", default=None, help="report measurements saved by an earlier run instead of measuring")
     p.add_argument("--variants", default=None, help="only these optimizers (e.g. owner,backward)")
     p.add_argument("--no-write", action="store_true")
