@@ -735,6 +735,7 @@ def main() -> None:
                    help="1: trace the same FSDP2 steps on the fake process group (0 or empty: not)")
     p.add_argument("--from-json", default=None, help="report measurements saved by an earlier run instead of measuring")
     p.add_argument("--variants", default=None, help="only these optimizers (e.g. owner,backward)")
+    p.add_argument("--merge", default="", help="more saved runs (JSON, comma-separated) whose rows join --from-json's")
     p.add_argument("--no-write", action="store_true")
     args = p.parse_args()
     worlds = [int(w) for w in args.worlds.split(",")]
@@ -752,6 +753,9 @@ def main() -> None:
             sweep.append(max(ranks, key=lambda r: r["transient"] / r["bound"]["total"]))
     if saved is not None:
         rows, sweep, est = saved["rows"], saved["sweep"], saved.get("estimates", [])
+        for path in filter(None, args.merge.split(",")):
+            more = json.load(open(path))
+            rows, sweep, est = rows + more["rows"], sweep + more["sweep"], est + more.get("estimates", [])
     with open(os.path.join(tempfile.gettempdir(), "memory_dist_raw.json"), "w") as f:
         json.dump({"rows": rows, "sweep": sweep, "estimates": est}, f)  # before anything can fail
     if args.estimate and not est:
@@ -767,7 +771,8 @@ def main() -> None:
         text += "\n" + more
     print(text)
     if not args.no_write:
-        write_section("memory-dist", "Memory, distributed", text)
+        write_section("memory-dist", "Memory, distributed (CPU): peak per rank under DDP, FSDP2, ZeRO-1/2/3 and "
+                      "Megatron's distributed optimizer, and each SWAN step's transient against its bound", text)
 
 
 if __name__ == "__main__":

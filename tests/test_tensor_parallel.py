@@ -42,7 +42,8 @@ def _parallelize(model: Llama, world: int, dp: int):
     plan.update({"attention.wo": RowwiseParallel(), "feed_forward.w1": ColwiseParallel(),
                  "feed_forward.w3": ColwiseParallel(), "feed_forward.w2": RowwiseParallel()})
     for layer in model.layers:
-        parallelize_module(layer, mesh["tp"], plan)  # each TP rank runs its own heads (the model views -1 heads)
+        parallelize_module(layer, mesh["tp"], plan)
+        layer.attention.n_heads //= tp  # each TP rank runs its own heads
     if dp > 1:
         for layer in model.layers:
             fully_shard(layer, mesh=mesh["dp"])

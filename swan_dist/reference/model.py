@@ -96,6 +96,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class Attention(nn.Module):
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
+        self.n_heads = cfg.n_heads  # (the forward views -1 heads: the local ones under tensor parallelism)
         self.head_dim = cfg.dim // cfg.n_heads
         kv = (cfg.n_kv_heads or cfg.n_heads) * self.head_dim
         self.wq = nn.Linear(cfg.dim, cfg.dim, bias=False)
