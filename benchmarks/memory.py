@@ -214,6 +214,8 @@ def child_estimate(size: str, name: str, args) -> dict:
         y = torch.randint(0, cfg.vocab_size, (1, args.seq))
 
         def step() -> None:
+            for o in opts:  # before backward as well: step_in_backward updates from step one
+                o.zero_grad(set_to_none=True)
             model(x, y)[1].backward()
             for o in opts:
                 o.step()
@@ -241,6 +243,8 @@ def child_cuda(size: str, names: list[str], args, path: str) -> None:
         x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
         def step() -> None:
+            for o in opts:  # before backward as well: step_in_backward updates from step one
+                o.zero_grad(set_to_none=True)
             model(x, y)[1].backward()
             for o in opts:
                 o.step()
@@ -335,6 +339,8 @@ def child(size: str, name: str, args) -> dict:
     x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
     def step() -> None:
+        for o in opts:  # before backward as well (the loop the docs give): step_in_backward updates from step one
+            o.zero_grad(set_to_none=True)
         loss = model(x, y)[1]  # the logits are dropped at once; the graph frees what it saved in backward
         loss.backward()
         for o in opts:

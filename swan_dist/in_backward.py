@@ -2,13 +2,15 @@
 tensor is updated as soon as its full gradient is ready, and its gradient freed, so a step never holds
 every gradient (the paper's per-layer update).
 
-A *unit* is what the engine steps at once (:func:`swan_dist.engine.run_step` over its entries): in one
-process, the parameters whose gradients became ready since the last unit, up to ``_BATCH_BYTES`` of
-gradients (same-shape matrices of a block are then whitened as one stack; the rest at the end of
-backward); under FSDP2 / HSDP, one FSDP module's parameters, stepped when the last of them has its
-reduced gradient (torch runs post-accumulate-grad hooks on the sharded parameters after the
-unit's reduce-scatter, and HSDP's all-reduce, in the same order on every rank), so every rank issues
-the unit's agreement and exchange in the same order, inside backward.
+A *unit* is a parameter in one process and one FSDP module's parameters under FSDP2 / HSDP; a unit is
+ready when all its parameters have their full gradient (under FSDP2 the reduced shard: torch runs
+post-accumulate-grad hooks on the sharded parameters after the module's reduce-scatter, and HSDP's
+all-reduce, in the same order on every rank). Ready units are stepped together (one
+:func:`swan_dist.engine.run_step`) once they hold ``_BATCH_BYTES`` of gradients on a rank, counted from
+the parameters' global shapes and shardings so that every rank batches alike, and the rest when
+backward ends: fewer meetings of the ranks, and same-shape matrices of neighbouring blocks whitened as
+one stack, for at most that many bytes of gradients held. Every rank issues each batch's agreement and
+exchange in the same order, inside backward.
 
 Updates happen only in a backward between ``zero_grad()`` and ``step()`` (the loop users write stays
 ``opt.zero_grad(); loss.backward(); opt.step()``): ``zero_grad()`` arms, ``step()`` steps what backward
@@ -20,6 +22,7 @@ micro-batch; in one process a second backward before ``step()`` raises.
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from typing import Sequence
 
@@ -31,7 +34,7 @@ from .adapter import adapter_for
 
 __all__ = ["InBackward", "check_in_backward"]
 
-_BATCH_BYTES = 16 << 20  # one process: gradients held before they are stepped together (a bound, per step)
+_BATCH_BYTES = 16 << 20  # per rank: gradients of ready units held before they are stepped together
 
 _REFUSED = {  # adapter name -> why no saving or no safe point, and what to do
     "replicated": "under DDP (or any replicated layout) every rank keeps every gradient in DDP's buckets until "
@@ -78,6 +81,16 @@ def check_in_backward(params: Sequence[Tensor], model: nn.Module | None) -> list
     return [u for u in out if u]
 
 
+def _local_bytes(p: Tensor) -> int:
+    """The bytes of ``p``'s gradient on the rank holding the most of it, from its global shape and its
+    sharding alone (the same number on every rank)."""
+    shards = 1
+    for dim, placement in enumerate(getattr(p, "placements", ())):
+        if placement.is_shard():
+            shards *= p.device_mesh.size(dim)
+    return -(-p.numel() // shards) * p.element_size()
+
+
 def _remove(handles: list) -> None:
     for h in handles:
         h.remove()
@@ -93,7 +106,8 @@ class InBackward:
         self.fired: list[set[int]] = [set() for _ in units]
         self.done: set[int] = set()
         self.armed = False
-        self.batch = not _distributed()  # one process: units (parameters) stepped in batches
+        self.warned = False  # of a step() after a backward outside the window (once)
+        self.unit_bytes = [sum(_local_bytes(p) for p in unit if p.requires_grad) for unit in units]
         self.queued: list[int] = []
         self.queued_bytes = 0
         # the hooks hold this object weakly: a tensor's hooks are not traversed by Python's garbage
@@ -131,13 +145,10 @@ class InBackward:
         self.fired[k].add(id(p))
         if len(self.fired[k]) < self.expected[k]:
             return
-        if not self.batch:
-            self._step_units([k])
-            return
-        if not self.queued:  # the first of this backward: the rest are stepped when it ends
+        if not self.queued:  # the first of a batch: what is queued when backward ends is stepped then
             torch.autograd.Variable._execution_engine.queue_callback(self._flush)
         self.queued.append(k)
-        self.queued_bytes += p.grad.numel() * p.grad.element_size()
+        self.queued_bytes += self.unit_bytes[k]
         if self.queued_bytes >= _BATCH_BYTES:
             self._flush()
 
@@ -152,7 +163,7 @@ class InBackward:
         self.done.update(ks)
         try:
             entries, failure = self.opt.collect_entries(params)
-            self.opt.step_entries(entries, failure, memo="backward" if self.batch else ("unit", ks[0]))
+            self.opt.step_entries(entries, failure, memo=("units", *ks))
         finally:
             for p in params:
                 g = p.grad
@@ -168,6 +179,13 @@ class InBackward:
         outside an armed window); disarm."""
         try:
             if not self.armed:
+                if not self.warned and any(p.grad is not None for unit in self.units for p in unit):
+                    self.warned = True
+                    warnings.warn(
+                        "swan_dist: SWAN(step_in_backward=True) ran this step() the ordinary way: no zero_grad() "
+                        "came before its backward, which therefore kept every gradient (the ordinary step's "
+                        "memory peak). Call opt.zero_grad() before loss.backward() from the first step on",
+                        RuntimeWarning, stacklevel=4)
                 return None
             self._flush()
             for k, fired in enumerate(self.fired):

@@ -109,7 +109,8 @@ def test_updates_only_between_zero_grad_and_step():
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     model(x).pow(2).mean().backward()  # no zero_grad() yet: an ordinary backward, then an ordinary step
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
-    opt.step()
+    with pytest.warns(RuntimeWarning, match=r"the ordinary way: no zero_grad\(\)"):
+        opt.step()
     after_step = {n: p.detach().clone() for n, p in model.named_parameters()}
     assert all(not torch.equal(after_step[n], before[n]) for n in before)
     model(x).pow(2).mean().backward()  # after step(), before zero_grad(): an evaluation backward
@@ -143,15 +144,39 @@ def test_a_dropped_optimizer_is_freed_with_its_hooks():
 
 
 def _dist_worker(rank, world, layout, micro):
-    return _compare(rank, world, layout, micro)
+    """Each FSDP module stepped alone (a batch bound of one byte) and the default (this model's modules
+    stepped together when backward ends): the comparison, and the sets of modules stepped together."""
+    import swan_dist.in_backward
+
+    out = {}
+    for bound in (1, swan_dist.in_backward._BATCH_BYTES):
+        swan_dist.in_backward._BATCH_BYTES = bound
+        seen = []
+        step_entries = SWAN.step_entries
+
+        def spy(self, entries, failure=None, memo="all"):
+            seen.append(memo)
+            return step_entries(self, entries, failure, memo)
+
+        SWAN.step_entries = spy
+        try:
+            out[bound] = (*_compare(rank, world, layout, micro), {m for m in seen if m != "all"})
+        finally:
+            SWAN.step_entries = step_entries
+    return out
 
 
 @pytest.mark.parametrize("layout, world, micro", [("fsdp2", 2, 1), ("fsdp2", 4, 1), ("hsdp", 4, 1), ("fsdp2", 2, 2)])
 def test_fsdp2_and_hsdp_equal_the_ordinary_step(layout, world, micro):
-    for err, early, early_want in run_distributed(_dist_worker, world, layout, micro):
-        assert err < 1e-6, (layout, world, err)
-        assert early == [(True, True)] * 3, early
-        assert early_want == [(False, False)] * 3
+    for out in run_distributed(_dist_worker, world, layout, micro):
+        (one, *_), (batched, *_) = sorted(out.items())
+        for bound, (err, early, early_want, stepped) in out.items():
+            assert err < 1e-6, (layout, world, bound, err)
+            assert early == [(True, True)] * 3, (bound, early)
+            assert early_want == [(False, False)] * 3
+        # the three blocks and the root (embedding, norm, head): one step each, or one step of all four
+        assert out[one][3] == {("units", k) for k in range(4)}, out[one][3]
+        assert len(out[batched][3]) == 1 and sorted(next(iter(out[batched][3]))[1:]) == [0, 1, 2, 3], out[batched][3]
 
 
 def _refused_worker(rank, world, kind):

@@ -84,6 +84,7 @@ def train_step(
     if cfg.parallel == "deepspeed":
         return _deepspeed_step(wrapped, sampler, cfg, env, clock)
     ddp = isinstance(wrapped, DistributedDataParallel)
+    optimizer.zero_grad(set_to_none=True)  # before backward: SWAN(step_in_backward=True) updates from step one
     mean_loss = torch.zeros((), device=env.device)
     for micro in range(cfg.grad_accum):
         x, y = next(sampler)
