@@ -119,9 +119,9 @@ def main() -> None:
         f"The `{args.size}` reference model, {args.batch} x {args.seq} tokens per rank, SWAN‡ (`swan_ddagger`), a "
         "whole iteration (`zero_grad`, forward, backward, `step`); median of "
         f"{args.steps} after {args.warmup} warm-up, rounds alternating the two.", "", *rows, "",
-        "In backward, each parameter (one process: in batches of up to 16 MiB of gradients) or each FSDP module's "
-        "parameters (FSDP2) are updated as soon as their gradients are reduced, and the gradients freed; the "
-        "ordinary step holds every gradient until `step()`."])
+        "In backward, parameters (one process) or FSDP modules (FSDP2) are updated once their gradients are "
+        "reduced, in batches of up to 16 MiB of gradients per rank (the rest when backward ends), and those "
+        "gradients freed; the ordinary step holds every gradient until `step()`."])
     if not args.no_write:
         write_section("in-backward-cpu", "Updates made during backward (CPU): iteration time against the ordinary "
                       "step", body)

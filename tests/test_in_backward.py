@@ -1,7 +1,7 @@
 """SWAN(model, step_in_backward=True): every parameter is updated during backward, once its gradient is
 ready, and its gradient freed; the weights equal the ordinary step's on the same data under an lr
-schedule (one process, activation checkpointing, FSDP2 and HSDP with uneven shards, FSDP2 gradient
-accumulation); updates happen only between zero_grad() and step(); what cannot follow is refused
+schedule (one process, FSDP2 and HSDP with uneven shards, each with activation checkpointing too, FSDP2
+gradient accumulation); updates happen only between zero_grad() and step(); what cannot follow is refused
 naming what to do; a fault inside a unit's step is every rank's error."""
 
 from __future__ import annotations
@@ -145,11 +145,13 @@ def test_a_dropped_optimizer_is_freed_with_its_hooks():
 
 def _dist_worker(rank, world, layout, micro):
     """Each FSDP module stepped alone (a batch bound of one byte) and the default (this model's modules
-    stepped together when backward ends): the comparison, and the sets of modules stepped together."""
+    stepped together when backward ends), the latter also with activation checkpointing (torch's
+    non-reentrant kind, each block): the comparison, and the sets of modules stepped together."""
     import swan_dist.in_backward
 
     out = {}
-    for bound in (1, swan_dist.in_backward._BATCH_BYTES):
+    default = swan_dist.in_backward._BATCH_BYTES
+    for bound, ckpt in ((1, False), (default, False), (default, True)):
         swan_dist.in_backward._BATCH_BYTES = bound
         seen = []
         step_entries = SWAN.step_entries
@@ -160,7 +162,7 @@ def _dist_worker(rank, world, layout, micro):
 
         SWAN.step_entries = spy
         try:
-            out[bound] = (*_compare(rank, world, layout, micro), {m for m in seen if m != "all"})
+            out[bound, ckpt] = (*_compare(rank, world, layout, micro, ckpt), {m for m in seen if m != "all"})
         finally:
             SWAN.step_entries = step_entries
     return out
@@ -169,14 +171,15 @@ def _dist_worker(rank, world, layout, micro):
 @pytest.mark.parametrize("layout, world, micro", [("fsdp2", 2, 1), ("fsdp2", 4, 1), ("hsdp", 4, 1), ("fsdp2", 2, 2)])
 def test_fsdp2_and_hsdp_equal_the_ordinary_step(layout, world, micro):
     for out in run_distributed(_dist_worker, world, layout, micro):
-        (one, *_), (batched, *_) = sorted(out.items())
-        for bound, (err, early, early_want, stepped) in out.items():
-            assert err < 1e-6, (layout, world, bound, err)
-            assert early == [(True, True)] * 3, (bound, early)
+        for key, (err, early, early_want, stepped) in out.items():
+            assert err < 1e-6, (layout, world, key, err)
+            assert early == [(True, True)] * 3, (key, early)
             assert early_want == [(False, False)] * 3
-        # the three blocks and the root (embedding, norm, head): one step each, or one step of all four
-        assert out[one][3] == {("units", k) for k in range(4)}, out[one][3]
-        assert len(out[batched][3]) == 1 and sorted(next(iter(out[batched][3]))[1:]) == [0, 1, 2, 3], out[batched][3]
+            # the three blocks and the root (embedding, norm, head): one step each, or one step of all four
+            if key[0] == 1:
+                assert stepped == {("units", k) for k in range(4)}, (key, stepped)
+            else:
+                assert len(stepped) == 1 and sorted(next(iter(stepped))[1:]) == [0, 1, 2, 3], (key, stepped)
 
 
 def _refused_worker(rank, world, kind):
