@@ -43,7 +43,6 @@ Writes the ``memory-dist`` section of docs/benchmarks.md and docs/results/memory
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import socket
@@ -59,6 +58,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _report import write_section  # noqa: E402
 from memory import MiB, _reset_hwm, _settle, _status  # noqa: E402
+from memory_estimate import Marks, categories  # noqa: E402
 
 VARIANTS = {
     "adamw": "AdamW (torch, foreach)",
@@ -266,11 +266,6 @@ def _framework_tensors(roots: list, masters: list) -> list:
     return [(t, kind) for kind, t in best.values()]
 
 
-def _categories(snapshot: dict) -> dict[str, int]:
-    dev = snapshot.get(torch.device("cpu"), {})
-    return {getattr(k, "value", str(k)): int(v) for k, v in dev.items()}
-
-
 def _framework_tracker():
     """torch's MemTracker naming what DeepSpeed and Megatron allocate: two more categories (``Framework
     masters``, ``Framework comm``), and a tensor allocated outside the optimizer's step (where MemTracker
@@ -354,47 +349,6 @@ def _framework_tracker():
     return FrameworkTracker()
 
 
-class _Marks:
-    """The peak inside a window (the optimizer's step, the framework's) minus the live bytes as it opens,
-    the largest over the window's calls (ZeRO-3 steps its optimizer once per sub-group); the tracker's
-    whole-step peak is kept."""
-
-    NAMES = {"step": ("live_before_step", "step_peak", "step_peak_categories", "transient"),
-             "framework": ("framework_live_before", "framework_peak", "framework_peak_categories",
-                           "framework_transient")}
-
-    def __init__(self, tracker) -> None:
-        self.tracker, self.out = tracker, {}
-
-    def wrap(self, obj, attr: str, key: str) -> None:
-        inner = getattr(obj, attr)
-
-        def call(*a, **k):
-            with self.window(key):
-                return inner(*a, **k)
-
-        setattr(obj, attr, call)
-
-    @contextlib.contextmanager
-    def window(self, key: str):
-        t, dev = self.tracker, torch.device("cpu")
-        before = dict(t.get_tracker_snapshot("current").get(dev, {}))
-        total = next((int(v) for k, v in before.items() if getattr(k, "value", k) == "Total"), 0)
-        self.out.setdefault("peak_before_" + key, max(t._peak_mem.values(), default=0))
-        saved, saved_snap = t._peak_mem, t._peak_mem_snap
-        t._peak_mem, t._peak_mem_snap = {dev: total}, {dev: before}
-        try:
-            yield
-        finally:
-            peak = max(t._peak_mem.values(), default=0)
-            live, top, cats, transient = self.NAMES[key]
-            if peak - total >= self.out.get(transient, -1):
-                self.out.update({live: total, top: peak, cats: _categories(t.get_tracker_snapshot("peak")),
-                                 transient: peak - total})
-            if max(saved.values(), default=0) >= peak:  # keep the whole step's peak
-                t._peak_mem, t._peak_mem_snap = saved, saved_snap
-
-
 def _prepare(layout: str) -> None:
     """Import a framework before the baseline RSS is read (its libraries are not the step's memory).
     megatron-core's ``megatron`` is a namespace package that benchmarks/megatron.py would shadow: this
@@ -454,7 +408,7 @@ def _rank(rank: int, world: int, layout: str, variant: str, args) -> dict:
     tracker.track_external(run.module, *run.inners)
     if layout in FRAMEWORKS:
         tracker.register(run.held())
-    marks = _Marks(tracker)
+    marks = Marks(tracker)
     saved = [(o, o.__dict__.get("step")) for o in run.inners]
     for o in run.inners:
         marks.wrap(o, "step", "step")
@@ -465,7 +419,7 @@ def _rank(rank: int, world: int, layout: str, variant: str, args) -> dict:
     try:
         with tracker:
             run.iteration()
-            whole = _categories(tracker.get_tracker_snapshot("peak"))
+            whole = categories(tracker.get_tracker_snapshot("peak"))
     finally:
         for o, step in saved:
             o.__dict__.pop("step", None)
@@ -473,7 +427,7 @@ def _rank(rank: int, world: int, layout: str, variant: str, args) -> dict:
                 o.step = step
         if run.framework_step is not None:
             run.framework_step[0].__dict__.pop(run.framework_step[1], None)
-    out.update(peak=whole, after=_categories(tracker.get_tracker_snapshot("current")), **marks.out)
+    out.update(peak=whole, after=categories(tracker.get_tracker_snapshot("current")), **marks.out)
     out["peak_total"] = max(whole.get("Total", 0), marks.out.get("peak_before_step", 0), marks.out.get("step_peak", 0))
     if variant in ("owner", "replicated"):
         from swan_dist import whitening

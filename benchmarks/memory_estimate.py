@@ -15,6 +15,8 @@ run at the shape both run; ``benchmarks/memory_dist_scale.py`` traces the 7B and
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 
@@ -53,23 +55,56 @@ def optimizer(variant: str, model, bucket_mb: float):
                           step_in_backward=variant == "backward")
 
 
+class Marks:
+    """The peak inside a window (the optimizer's step, the framework's) minus the live bytes as it opens,
+    the largest over the window's calls (ZeRO-3 steps its optimizer once per sub-group), by category at
+    that peak (MemTracker's or FSDPMemTracker's, on the CPU); the tracker's whole-step peak is kept."""
+
+    NAMES = {"step": ("live_before_step", "step_peak", "step_peak_categories", "transient"),
+             "framework": ("framework_live_before", "framework_peak", "framework_peak_categories",
+                           "framework_transient")}
+
+    def __init__(self, tracker) -> None:
+        self.tracker, self.out = tracker, {}
+
+    def wrap(self, obj, attr: str, key: str) -> None:
+        inner = getattr(obj, attr)
+
+        def call(*a, **k):
+            with self.window(key):
+                return inner(*a, **k)
+
+        setattr(obj, attr, call)
+
+    @contextlib.contextmanager
+    def window(self, key: str):
+        t, dev = self.tracker, torch.device("cpu")
+        before = dict(t.get_tracker_snapshot("current").get(dev, {}))
+        total = next((int(v) for k, v in before.items() if getattr(k, "value", k) == "Total"), 0)
+        self.out.setdefault("peak_before_" + key, max(t._peak_mem.values(), default=0))
+        saved, saved_snap = t._peak_mem, t._peak_mem_snap
+        t._peak_mem, t._peak_mem_snap = {dev: total}, {dev: before}
+        try:
+            yield
+        finally:
+            peak = max(t._peak_mem.values(), default=0)
+            live, top, cats, transient = self.NAMES[key]
+            if peak - total >= self.out.get(transient, -1):
+                self.out.update({live: total, top: peak, cats: categories(t.get_tracker_snapshot("peak")),
+                                 transient: peak - total})
+            if max(saved.values(), default=0) >= peak:  # keep the whole step's peak
+                t._peak_mem, t._peak_mem_snap = saved, saved_snap
+
+
+
 def tracked_step(fwd_bwd, step, tracker) -> dict[str, int]:
-    """One step under ``tracker`` (a MemTracker already entered): ``fwd_bwd()`` then ``step()``. Returns the
-    peak over forward and backward, the live bytes just before the step, the step's own peak (from those
-    bytes) and its categories; the tracker's peak is left at the whole step's."""
-    dev = torch.device("cpu")
+    """One step under ``tracker`` (a MemTracker already entered): ``fwd_bwd()`` then ``step()`` in a
+    :class:`Marks` window; the tracker's peak is left at the whole step's."""
     fwd_bwd()
-    before = tracker.get_tracker_snapshot("current").get(dev, {})
-    live = next((int(v) for k, v in before.items() if getattr(k, "value", k) == "Total"), 0)
-    marks = {"peak_before_step": max(tracker._peak_mem.values(), default=0), "live_before_step": live}
-    saved = tracker._peak_mem_snap
-    tracker._peak_mem, tracker._peak_mem_snap = {dev: live}, {dev: dict(before)}
-    step()
-    marks["step_peak"] = max(tracker._peak_mem.values(), default=0)
-    marks["step_peak_categories"] = categories(tracker.get_tracker_snapshot("peak"))
-    if marks["peak_before_step"] > marks["step_peak"]:  # keep the whole step's peak
-        tracker._peak_mem, tracker._peak_mem_snap = {dev: marks["peak_before_step"]}, saved
-    return marks
+    marks = Marks(tracker)
+    with marks.window("step"):
+        step()
+    return marks.out
 
 
 def transient_bound(opt) -> dict | None:
