@@ -447,7 +447,8 @@ def _reading(results: list[dict]) -> list[str]:
         + f"SWAN‡ keeps only its AdamW fallback's moments (embeddings, head, norms: {_mib(kept(swan))} MiB); its "
         f"whitening shows as {_mib(transient(swan))} MiB of step transient: one stack of same-shape matrices at a "
         "time (at most 16 MiB of fp32 gradients on the CPU, or one matrix where a matrix is larger), live at once "
-        "the copy `torch.stack` makes of the gradients, the Gram, the bf16 product and its fp32 copy: bounded by "
+        "the copy `torch.stack` makes of the gradients, the Gram and the fp32 update (the final product cast into it "
+        "4 MiB of rows at a time): bounded by "
         "a stack, not by the model."
     )
     if sign:

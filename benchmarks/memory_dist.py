@@ -624,12 +624,15 @@ def report(rows: list[dict], sweep: list[dict], args) -> tuple[str, list[str]]:
                           f"{_m(o['rss_peak'])} - the rank's gradients {_m(grads)} = {_m(o['rss_peak'] - grads)} MiB: "
                           f"{'OK' if rss else 'NOT MET'}")
             live = bw["peak_total"] <= o["peak_total"] - grads
-            at = {k: v for k, v in o["peak"].items() if k in GRAD and v} if not live else {}
+            why = ""
+            if not live:  # what step_in_backward's peak holds: backward's own working set, gradients not yet reduced
+                work = sum(v for k, v in bw["peak"].items() if k in ("Activation", "Temp") + COMM)
+                why = (f" (step_in_backward's peak falls in backward, at {_m(work)} MiB of activations, "
+                       f"temporaries and collective buffers and {_m(_cat(bw, *GRAD))} MiB of gradients not yet "
+                       "reduced: nothing an optimizer can free)")
             checks.append(f"FSDP2 W={w} step_in_backward live peak {_m(bw['peak_total'])} MiB <= ordinary "
                           f"{_m(o['peak_total'])} - the rank's gradients {_m(grads)} = {_m(o['peak_total'] - grads)} "
-                          f"MiB: {'OK' if live else 'NOT MET'}"
-                          + (f" (the ordinary live peak holds {_m(sum(at.values()))} MiB of gradients: it falls in "
-                             "backward, before most gradients are reduced)" if not live else ""))
+                          f"MiB: {'OK' if live else 'NOT MET'}{why}")
             saved = o["live_before_step"] - bw["live_before_step"]
             checks.append(f"FSDP2 W={w} live bytes when backward ends: ordinary {_m(o['live_before_step'])} MiB, "
                           f"step_in_backward {_m(bw['live_before_step'])} MiB: {_m(saved)} MiB less, the rank's "
