@@ -108,11 +108,12 @@ def tracked_step(fwd_bwd, step, tracker) -> dict[str, int]:
 
 
 def transient_bound(opt) -> dict | None:
-    """The bound of the schedule SWAN's last step ran on this rank (None: not SWAN, or no exchange)."""
+    """The bound of the schedule SWAN's last ``step()`` over every parameter ran on this rank (None: not
+    SWAN, no exchange, or updates made during backward, whose steps are not ``step()``'s)."""
     from swan_dist import whitening
 
-    memos = getattr(opt, "_memos", None)
-    ex = next(iter(memos.values())).plans.last if memos else None
+    memo = getattr(opt, "_memos", {}).get("all")
+    ex = None if memo is None else memo.plans.last
     return None if ex is None else ex.transient_bound(whitening._CPU_PASS_BYTES)
 
 

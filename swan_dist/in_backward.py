@@ -163,7 +163,9 @@ class InBackward:
         self.done.update(ks)
         try:
             entries, failure = self.opt.collect_entries(params)
-            self.opt.step_entries(entries, failure, memo=("units", *ks))
+            # the memo is keyed by the batch's first unit (a batch from it has the same units from one
+            # backward to the next; where it does not, the engine re-agrees): one memo per unit at most
+            self.opt.step_entries(entries, failure, memo=("unit", ks[0]))
         finally:
             for p in params:
                 g = p.grad

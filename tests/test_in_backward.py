@@ -143,6 +143,11 @@ def test_a_dropped_optimizer_is_freed_with_its_hooks():
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
 
 
+def _module(name):
+    """The FSDP module of a parameter of :class:`Net` (each block, and the root's embedding, norm, head)."""
+    return "block " + name.split(".")[1] if name.startswith("blocks.") else "root"
+
+
 def _dist_worker(rank, world, layout, micro):
     """Each FSDP module stepped alone (a batch bound of one byte) and the default (this model's modules
     stepped together when backward ends), the latter also with activation checkpointing (torch's
@@ -157,12 +162,13 @@ def _dist_worker(rank, world, layout, micro):
         step_entries = SWAN.step_entries
 
         def spy(self, entries, failure=None, memo="all"):
-            seen.append(memo)
+            if memo != "all":  # a step made during backward: the modules it covers
+                seen.append(frozenset(_module(e.record.name) for e in entries))
             return step_entries(self, entries, failure, memo)
 
         SWAN.step_entries = spy
         try:
-            out[bound, ckpt] = (*_compare(rank, world, layout, micro, ckpt), {m for m in seen if m != "all"})
+            out[bound, ckpt] = (*_compare(rank, world, layout, micro, ckpt), set(seen))
         finally:
             SWAN.step_entries = step_entries
     return out
@@ -176,10 +182,9 @@ def test_fsdp2_and_hsdp_equal_the_ordinary_step(layout, world, micro):
             assert early == [(True, True)] * 3, (key, early)
             assert early_want == [(False, False)] * 3
             # the three blocks and the root (embedding, norm, head): one step each, or one step of all four
-            if key[0] == 1:
-                assert stepped == {("units", k) for k in range(4)}, (key, stepped)
-            else:
-                assert len(stepped) == 1 and sorted(next(iter(stepped))[1:]) == [0, 1, 2, 3], (key, stepped)
+            modules = {"block 0", "block 1", "block 2", "root"}
+            want = {frozenset([m]) for m in modules} if key[0] == 1 else {frozenset(modules)}
+            assert stepped == want, (key, stepped)
 
 
 def _refused_worker(rank, world, kind):
@@ -209,11 +214,16 @@ def test_what_cannot_follow_is_refused_on_every_rank(kind, words):
 
 def _fault_worker(rank, world, layout):
     """Each fault of the failure matrix (tests/test_failures.py) injected on the last rank inside the
-    backward that updates: what every rank raised (or warned), and whether the injected code ran."""
+    backward that updates, each FSDP module stepped alone (a batch bound of one byte: the fault raised
+    from a hook mid-backward) and batched (the default: here at the end of backward): what every rank
+    raised (or warned), and whether the injected code ran."""
+    import swan_dist.in_backward
     from test_failures import FAULTS, _inject
 
     out = {}
-    for fault in FAULTS:
+    default = swan_dist.in_backward._BATCH_BYTES
+    for bound, fault in [(b, f) for b in (1, default) for f in FAULTS]:
+        swan_dist.in_backward._BATCH_BYTES = bound
         torch.manual_seed(0)
         model = _fsdp(Net(), world, hsdp=layout == "hsdp")
         opt = SWAN(model, lr=0.02, verbose=False, bucket_mb=0.0005, step_in_backward=True)
@@ -239,7 +249,7 @@ def _fault_worker(rank, world, layout):
         finally:
             for mod, name, orig in monkey:
                 setattr(mod, name, orig)
-        out[fault] = dict(err=err, warned=warned, injected=len(calls), skips=dict(opt.nonfinite_skips))
+        out[bound, fault] = dict(err=err, warned=warned, injected=len(calls), skips=dict(opt.nonfinite_skips))
     return out
 
 
@@ -249,16 +259,18 @@ def test_a_fault_inside_backward_is_every_ranks_error(layout, world):
 
     last = world - 1
     for rank, out in enumerate(run_distributed(_fault_worker, world, layout)):
-        for fault in ("adapter", "fallback", "whiten", "oom", "nan_output"):
-            assert (out[fault]["injected"] > 0) == (rank == last), (layout, rank, fault, out[fault])
-        for fault, (mine, others, words) in EXPECT.items():
-            err = out[fault]["err"]
-            assert err is not None and err[0] == (mine if rank == last else others) and words in err[1], \
-                (layout, rank, fault, err)
-            if rank != last:
-                assert f"on rank {last}" in err[1], (layout, rank, fault, err)
-        nan = out["nan_output"]
-        assert nan["err"] is None and nan["warned"] and nan["skips"], (layout, rank, nan)
+        for bound in sorted({b for b, _ in out}):
+            for fault in ("adapter", "fallback", "whiten", "oom", "nan_output"):
+                got = out[bound, fault]
+                assert (got["injected"] > 0) == (rank == last), (layout, bound, rank, fault, got)
+            for fault, (mine, others, words) in EXPECT.items():
+                err = out[bound, fault]["err"]
+                assert err is not None and err[0] == (mine if rank == last else others) and words in err[1], \
+                    (layout, bound, rank, fault, err)
+                if rank != last:
+                    assert f"on rank {last}" in err[1], (layout, bound, rank, fault, err)
+            nan = out[bound, "nan_output"]
+            assert nan["err"] is None and nan["warned"] and nan["skips"], (layout, bound, rank, nan)
 
 
 @pytest.mark.parametrize("nonfinite", ["skip", "raise"])
