@@ -12,21 +12,21 @@ import operator
 import warnings
 import zlib
 from collections import defaultdict
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from .adapter import Piece
-from .collectives import all_gather, all_reduce_max, gather_objects
-from .functional import _compile_wanted, is_fake, resolve_dtype
+from .collectives import all_gather, all_reduce_max, gather_objects, host_tensor, is_fake
+from .functional import _compile_wanted, resolve_dtype
 from .records import Descriptor, Entry, GradCode
 from .rules import SCALAR_KEYS
 
-__all__ = ["agree", "engine_descriptor", "StepAgreement", "Verdict", "Hashes", "grad_codes", "raise_rank_failure",
-           "raise_structure_mismatch", "raise_scalar_mismatch", "scalar_hash", "skipped", "gather_names",
-           "nonfinite_update"]
+__all__ = ["agree", "Agreed", "engine_descriptor", "StepAgreement", "Verdict", "Hashes", "grad_codes",
+           "raise_rank_failure", "raise_structure_mismatch", "raise_scalar_mismatch", "raise_sharded", "scalar_hash",
+           "nonfinite_grads", "gather_names", "nonfinite_update"]
 
 _MASK = (1 << 30) - 1  # hashes travel in int32 tensors, negated too: keep them well inside its range
 
@@ -41,31 +41,41 @@ class Verdict(enum.Enum):
 
 
 class StepAgreement:
-    """Per step, one ``all_reduce(MAX)`` of ``[changed, s, -s, codes...]``: ``changed`` is set by a rank
-    whose structure or ranges differ from what was last agreed (the first step, re-sharding, ZeRO-3's
-    alternating sub-groups) or that failed; ``s`` is a hash of the scalar options (max of ``s`` and of
-    ``-s`` differ exactly when some rank's scalars differ); ``codes`` per parameter (:class:`GradCode`)
-    come back as their max over ranks. Where something changed, every rank's
-    ``[structure, layout, count, failed, scalars]`` is gathered once and the layouts kept.
+    """What the ranks agree on before a step. Where every rank agreed before (:attr:`agreed` is set, alike
+    on every rank), the steady step's :meth:`fast`: one ``all_reduce(MAX)`` of ``[changed, s, -s,
+    codes...]`` whose result stays on the device: ``changed`` is set by a rank whose structure or ranges
+    differ from what was last agreed (re-sharding, ZeRO-3's alternating sub-groups) or that failed; ``s``
+    is a hash of the scalar options (max of ``s`` and of ``-s`` differ exactly when some rank's scalars
+    differ); ``codes`` per parameter (:class:`GradCode`) come back as their max over ranks. The step runs
+    masked by that verdict and reads it once, in its closing status; where it did not hold, the step
+    changed nothing and is run again after :meth:`full`. :meth:`full` (the first step, after a change):
+    every rank's ``[structure, layout, count, failed, scalars]`` gathered and read, the layouts kept.
     """
 
     def __init__(self) -> None:
         self.agreed: tuple[int, int, int] | None = None  # this rank's (structure, layout, count) last agreed
         self.layouts: tuple[int, ...] = ()  # every rank's layout hash, as last agreed
 
-    def __call__(self, codes: Tensor, structure: int, layout: int, scalars: int, group,
-                 failed: bool = False) -> tuple[Verdict, list[int] | None]:
+    def fast(self, codes: Tensor, structure: int, layout: int, scalars: int, group,
+             failed: bool = False) -> tuple[Tensor, Tensor, bool]:
+        """``(held, codes, blind)``: ``held`` a 0-d bool on the device, whether every rank's structure,
+        ranges and scalars are as last agreed and none failed; the max code per parameter (last agreed
+        count) on the device; ``blind``: this rank knows it differs (it takes part in the step's collectives
+        without updating anything). No host read."""
+        n = self.agreed[2]
+        blind = failed or (structure, layout, codes.numel()) != self.agreed
+        scalars &= _MASK
+        body = codes[:n] if codes.numel() >= n else torch.cat([codes, codes.new_zeros(n - codes.numel())])
+        head = host_tensor([int(blind), scalars, -scalars], codes.dtype, codes.device)
+        out = all_reduce_max(torch.cat([head, body]), group)
+        return (out[0] == 0) & (out[1] == -out[2]), out[3:], blind
+
+    def full(self, codes: Tensor, structure: int, layout: int, scalars: int, group,
+             failed: bool = False) -> tuple[Verdict, Tensor | None]:
         """``codes``: int32, one per parameter, on the communication device. Returns ``(Verdict.OK, max code
-        per parameter)``, or another verdict and ``None``, on every rank alike."""
+        per parameter)`` (on the device), or another verdict and ``None``, on every rank alike."""
         mine = (structure, layout, codes.numel())
         scalars &= _MASK
-        if self.agreed is not None:
-            n = self.agreed[2]
-            body = codes[:n] if codes.numel() >= n else torch.cat([codes, codes.new_zeros(n - codes.numel())])
-            head = codes.new_tensor([int(failed or mine != self.agreed), scalars, -scalars])
-            out = all_reduce_max(torch.cat([head, body]), group)
-            if out[0] == 0:
-                return (Verdict.OK, out[3:]) if out[1] == -out[2] else (Verdict.SCALARS, None)
         head = torch.tensor([structure, layout, codes.numel(), int(failed), scalars], dtype=torch.int64,
                             device=codes.device)
         table = all_gather(head, group)
@@ -91,35 +101,54 @@ def engine_descriptor(mode: str, bucket_mb: float, device: torch.device, records
                                                ("compile", repr(_compile_wanted(device)))))
 
 
-def agree(entries: list[Entry], failure: BaseException | None, ctx, memo, groups: Sequence[dict]
-          ) -> tuple[list[int], tuple | None]:
-    """The agreed :class:`GradCode` per entry and the plan key (``None`` at W=1), or every rank raises the
-    same error. ``ctx``: the step's :class:`~swan_dist.engine.StepContext`; ``memo``: the agreement and
-    hashes kept for this set of entries (:class:`~swan_dist.engine.EngineMemo`); ``groups``: the param
-    groups whose scalar options every rank must share. One ``all_reduce`` while nothing changed."""
+class Agreed(NamedTuple):
+    """What a step runs with: the max :class:`GradCode` per entry (on the device), the plan key (``None``
+    at W=1), whether the agreement held (a 0-d bool on the device; ``None``: it held, known on the host)
+    and whether this rank takes part blind (it knows it differs: it updates nothing)."""
+
+    codes: Tensor
+    key: tuple | None
+    held: Tensor | None
+    blind: bool
+
+
+def agree(entries: list[Entry], failure: BaseException | None, ctx, memo, groups: Sequence[dict]) -> Agreed:
+    """The step's :class:`Agreed`, or every rank raises the same error. ``ctx``: the step's
+    :class:`~swan_dist.engine.StepContext`; ``memo``: the agreement and hashes kept for this set of entries
+    (:class:`~swan_dist.engine.EngineMemo`); ``groups``: the param groups whose scalar options every rank
+    must share. A steady step: one ``all_reduce``, nothing read on the host."""
     pieces = [e.piece for e in entries]
-    codes = grad_codes(pieces, ctx.device)
+    codes = grad_codes(pieces, ctx.device or (pieces[0].param.device if pieces else None))
     part = [i for i, e in enumerate(entries) if e.record.use_swan and not e.piece.whole] if ctx.mode == "local" else []
     if part:
-        codes[torch.tensor(part, device=codes.device)] = GradCode.PARTIAL
+        raise_sharded([entries[i].record.name for i in part])
     if ctx.world == 1:
-        return (_assumed_codes(pieces, part) if is_fake(codes) else codes.tolist()), None
+        return Agreed(codes, None, None, False)
     records = [e.record for e in entries]
-    if is_fake(codes):  # a fake step (torch's fake process group: no values cross): every rank assumed alike
-        layout = memo.hashes.layout(pieces)
-        return _assumed_codes(pieces, part), (memo.hashes.structure(records, engine_descriptor(
-            ctx.mode, ctx.bucket_mb, ctx.device, records)), (layout,) * ctx.world)
     engine = engine_descriptor(ctx.mode, ctx.bucket_mb, ctx.device, records)
     structure = memo.hashes.structure(records, engine)
-    verdict, flags = memo.agreement(codes, structure, memo.hashes.layout(pieces), scalar_hash(groups), ctx.group,
-                                    failure is not None)
+    layout = memo.hashes.layout(pieces)
+    if is_fake(codes):  # torch's fake process group (a memory estimate): one rank simulated, no values cross
+        return Agreed(codes, (structure, (layout,) * ctx.world), None, False)
+    if memo.agreement.agreed is not None:
+        held, flags, blind = memo.agreement.fast(codes, structure, layout, scalar_hash(groups), ctx.group,
+                                                 failure is not None)
+        return Agreed(flags, (memo.agreement.agreed[0], memo.agreement.layouts), held, blind)
+    verdict, flags = memo.agreement.full(codes, structure, layout, scalar_hash(groups), ctx.group,
+                                         failure is not None)
     if verdict is Verdict.FAILED:
         raise_rank_failure(failure, ctx.group)
     if verdict is Verdict.MISMATCH:
         raise_structure_mismatch([r.descriptor for r in records] + [engine], ctx.group)
     if verdict is Verdict.SCALARS:
         raise_scalar_mismatch(groups, ctx.group)
-    return flags, (structure, memo.agreement.layouts)
+    return Agreed(flags, (structure, memo.agreement.layouts), None, False)
+
+
+def raise_sharded(names: list[str]) -> None:
+    raise ValueError(
+        f"swan_dist: {names[:4]} are sharded; mode='local' needs whole matrices on every rank "
+        "(use mode='owner' or 'replicated')")
 
 
 def _crc(obj) -> int:
@@ -213,28 +242,27 @@ def raise_scalar_mismatch(groups: Sequence[dict], group) -> None:
     raise ValueError("swan_dist: hyper-parameters differ between ranks")
 
 
-def skipped(entries: list, flags: list[int]) -> tuple[set[int], list[str]]:
-    """The entries no rule touches this step, from the agreed codes (alike on every rank): non-finite
-    anywhere (``nonfinite="skip"`` warns, ``"raise"`` raises before anything is modified) or no
-    gradient anywhere; and the names of those skipped for a non-finite gradient. Raises where local mode
-    meets a sharded matrix."""
-    sharded = [entries[i].record.name for i, c in enumerate(flags) if c == GradCode.PARTIAL]
-    if sharded:
-        raise ValueError(
-            f"swan_dist: {sharded[:4]} are sharded; mode='local' needs whole matrices on every rank "
-            "(use mode='owner' or 'replicated')"
+def nonfinite_grads(named: list[tuple[str, str]], codes: list[int]) -> list[str]:
+    """Called once a step's status says some gradient was not finite (``named``: the step's (name,
+    nonfinite option) per entry; ``codes``: the agreed codes, read): the names of those parameters;
+    raises ``FloatingPointError`` where one of them is in a ``nonfinite="raise"`` group (nothing was
+    updated), else warns (``skip``: those parameters were left unchanged; ``skip_step``: every parameter
+    was)."""
+    bad = [i for i, c in enumerate(codes) if c == GradCode.NONFINITE]
+    names = [named[i][0] for i in bad]
+    if not bad:
+        return names
+    modes = {named[i][1] for i in bad}
+    if "raise" in modes:
+        raise FloatingPointError(
+            f"SWAN: non-finite gradient in {names[:8]}{' ...' if len(names) > 8 else ''}; "
+            "no parameter was updated"
         )
-    bad = [i for i, c in enumerate(flags) if c == GradCode.NONFINITE]
-    names: list[str] = []
-    if bad:
-        names = [entries[i].record.name for i in bad]
-        if any(entries[i].group["nonfinite"] == "raise" for i in bad):
-            raise FloatingPointError(
-                f"SWAN: non-finite gradient in {names[:8]}{' ...' if len(names) > 8 else ''}; "
-                "no parameter was updated"
-            )
+    if "skip_step" in modes:
+        warnings.warn(f"SWAN: non-finite gradient in {names[:8]}: step skipped, no parameter updated", RuntimeWarning)
+    else:
         warnings.warn(f"SWAN: non-finite gradient, update skipped for {names[:8]}", RuntimeWarning)
-    return {i for i, c in enumerate(flags) if c != GradCode.FINITE}, names
+    return names
 
 
 def gather_names(names: list[str], group) -> list[str]:
@@ -242,12 +270,13 @@ def gather_names(names: list[str], group) -> list[str]:
     return list(dict.fromkeys(n for ns in gather_objects(names, group) for n in ns))
 
 
-def nonfinite_update(entries: list, names: list[str]) -> None:
+def nonfinite_update(named: list[tuple[str, str]], names: list[str]) -> None:
     """SWAN matrices whose whitened update was not finite (made inside NS/NSDS, or owed by an owner that
     failed): not applied on any rank; every rank raises ``FloatingPointError`` where one of them is in a
-    ``nonfinite="raise"`` group, else warns. The other parameters of the step were updated."""
+    ``nonfinite="raise"`` group, else warns. The other parameters of the step were updated. ``named``: the
+    step's (name, nonfinite option) per entry."""
     bad = set(names)
-    if any(e.group["nonfinite"] == "raise" for e in entries if e.record.name in bad):
+    if any(mode == "raise" for name, mode in named if name in bad):
         raise FloatingPointError(
             f"SWAN: non-finite whitened update for {names[:8]}{' ...' if len(names) > 8 else ''}; not applied to "
             "them (the step's other parameters were updated)")
@@ -272,28 +301,15 @@ def grad_codes(pieces: list[Piece], device: torch.device | None) -> Tensor:
         codes = int(GradCode.NONFINITE) - finite.to(out.device, torch.int32)  # FINITE where finite
         if len(items) == len(pieces):
             return codes
-        out[torch.tensor([i for i, _ in items], device=out.device)] = codes
+        out[host_tensor([i for i, _ in items], torch.int64, out.device)] = codes
     return out
-
-
-def _assumed_codes(pieces: list[Piece], partial: list[int]) -> list[int]:
-    """The codes of a fake step (:func:`~swan_dist.functional.is_fake`: no values to read), from what the
-    host knows: no gradient, or a finite one (the estimate's assumption), ``PARTIAL`` at ``partial``."""
-    partial = set(partial)
-    return [int(GradCode.PARTIAL) if i in partial else int(GradCode.NONE if pc.grad is None else GradCode.FINITE)
-            for i, pc in enumerate(pieces)]
 
 
 def _finite(grads: list[Tensor]) -> Tensor:
     """Whether each gradient (strided, non-empty, all on one device with one dtype) is all finite, as a
-    bool tensor on that device. On an accelerator: one foreach max-abs reduction, which NaN and Inf
-    survive and finite values never overflow; no host sync. On the CPU (where max-abs reductions are
-    several times slower and a host read costs nothing): one foreach 2-norm, each norm that is not
-    finite (NaN/Inf, or finite entries beyond ~1e19 whose squares overflow) checked again exactly."""
+    bool tensor on that device, with no host read. On an accelerator: one foreach max-abs reduction,
+    which NaN and Inf survive and finite values never overflow. On the CPU (where a max-abs reduction is
+    several times slower): each gradient's min and max, which NaN and Inf reach alike."""
     if grads[0].device.type != "cpu":
         return torch.stack(torch._foreach_norm(grads, float("inf"))).isfinite()
-    finite = torch.stack(torch._foreach_norm(grads, 2)).isfinite()
-    if not is_fake(finite) and not bool(finite.all()):
-        for j in (~finite).nonzero().flatten().tolist():
-            finite[j] = grads[j].isfinite().all()
-    return finite
+    return torch.stack([torch.stack(torch.aminmax(g.reshape(-1))) for g in grads]).isfinite().all(1)

@@ -37,7 +37,7 @@ def is_fake(t: Tensor) -> bool:
     return isinstance(t, FakeTensor)
 
 
-__all__ = ["is_fake", "all_reduce_max", "all_gather", "gather_objects", "start_all_to_all", "Transfer", "counts", "settle", "pending", "drain",
+__all__ = ["is_fake", "all_reduce_max", "host_tensor", "all_gather", "gather_objects", "start_all_to_all", "Transfer", "counts", "settle", "pending", "drain",
            "served_devices", "comm_device"]
 
 _PENDING: list[tuple[Tensor, int]] = []  # (tensor, its use count before the collective)
@@ -95,10 +95,21 @@ def _run(fn, tensors: Sequence[Tensor], *args, **kwargs) -> None:
     settle(tensors, before)
 
 
-def all_reduce_max(tensor: Tensor, group) -> list:
-    """``all_reduce(MAX)`` of ``tensor`` in place; its values, as a list."""
+def all_reduce_max(tensor: Tensor, group) -> Tensor:
+    """``all_reduce(MAX)`` of ``tensor`` in place (no host read: the caller reads it, or decides with it
+    on the device)."""
     _run(dist.all_reduce, [tensor], tensor, op=dist.ReduceOp.MAX, group=group)
-    return tensor.tolist()
+    return tensor
+
+
+def host_tensor(values: Sequence, dtype: torch.dtype, device: torch.device | str | None) -> Tensor:
+    """A tensor of host ``values`` on ``device`` without waiting for the device: on an accelerator a
+    pinned copy sent without blocking (a plain copy from pageable memory waits for the stream)."""
+    t = torch.tensor(values, dtype=dtype)
+    device = torch.device(device or "cpu")
+    if device.type == "cpu":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def all_gather(tensor: Tensor, group) -> Tensor:

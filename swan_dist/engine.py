@@ -21,14 +21,15 @@ from typing import NamedTuple, Sequence
 import torch
 import torch.distributed as dist
 
-from .agreement import Hashes, StepAgreement, agree, gather_names, nonfinite_update, raise_rank_failure, skipped
-from .collectives import all_reduce_max, comm_device
-from .functional import is_fake
-from .records import Entry
-from .rules import run_fallbacks
+from torch import Tensor
+
+from .agreement import Hashes, StepAgreement, agree, gather_names, nonfinite_grads, nonfinite_update, raise_rank_failure
+from .collectives import all_reduce_max, comm_device, host_tensor, is_fake
+from .records import Entry, GradCode
+from .rules import Missed, run_fallbacks
 from .whitening import Plans, explain, whiten_local
 
-__all__ = ["run_step", "StepContext", "StepResult", "EngineMemo", "Deferred", "MODES"]
+__all__ = ["run_step", "StepContext", "StepResult", "Report", "EngineMemo", "Deferred", "MODES"]
 
 MODES = ("auto", "owner", "replicated", "local")
 
@@ -66,6 +67,7 @@ class EngineMemo:
     agreement: StepAgreement = field(default_factory=StepAgreement)
     hashes: Hashes = field(default_factory=Hashes)
     plans: Plans = field(default_factory=Plans)
+    swan: int = 0  # SWAN matrices of the set, as last agreed (a rank stepping blind runs that plan)
 
 
 class StepResult(NamedTuple):
@@ -75,6 +77,38 @@ class StepResult(NamedTuple):
     skipped: tuple[str, ...]  # parameters skipped for a non-finite gradient (alike on every rank)
     nonfinite: tuple[str, ...]  # SWAN matrices whose update was not finite: applied nowhere
     failure: BaseException | None  # the error every rank raises (the same kind, naming the rank), or None
+    report: Report | None = None  # in one process: skipped / nonfinite, known once the device has run
+
+
+class Report:
+    """A one-process step's counts of non-finite gradients and updates, copied to the host without
+    waiting for the device (a pinned copy and an event on an accelerator); :meth:`ready` tells, without
+    blocking, whether the copy landed; :meth:`resolve` reads it (waiting if asked before) and, only where
+    a count is not zero, reads which parameters and warns as the step would have."""
+
+    def __init__(self, counts: Tensor, named: list[tuple[str, str]], codes: Tensor, missed: Missed) -> None:
+        self.host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=counts.is_cuda)
+        self.host._swan_host_copy = True  # read on the host once the copy landed: no device wait
+        self.host.copy_(counts, non_blocking=counts.is_cuda)
+        self.event = None
+        if counts.is_cuda:
+            self.event = torch.cuda.Event()
+            self.event.record()
+        self.named, self.codes, self.missed = named, codes, missed
+
+    def ready(self) -> bool:
+        return self.event is None or self.event.query()
+
+    def resolve(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """(skipped for a non-finite gradient, whose update was not finite)."""
+        if self.event is not None:
+            self.event.synchronize()
+        n_grads, n_updates = self.host.tolist()
+        skipped = nonfinite_grads(self.named, self.codes.tolist()) if n_grads else []
+        bad = self.missed.names() if n_updates else []
+        if bad:
+            nonfinite_update(self.named, bad)
+        return tuple(skipped), tuple(bad)
 
 
 class Deferred:
@@ -100,42 +134,77 @@ def run_step(entries: list[Entry], ctx: StepContext, memo: EngineMemo, groups: S
     """Agree, run the fallback rules, whiten and apply SWAN's updates for ``entries`` on every rank of
     ``ctx.group``; ``groups`` are the param groups whose scalar options every rank must share, ``state``
     the fallback rules' state, ``failure`` what went wrong on this rank before (collecting its pieces):
-    every rank then fails alike. Never raises for a rank's fault: it is the result's ``failure``."""
-    done = StepResult(0, (), (), None)
+    every rank then fails alike. Never raises for a rank's fault: it is the result's ``failure``.
+
+    What is updated is decided on the device: each entry is applied where its agreed gradient code is
+    finite and the step's agreement held (``nonfinite="skip_step"`` / ``"raise"``: and no gradient of
+    such a group is non-finite); the rest is left bit for bit unchanged. In one process nothing is read
+    on the host (what was skipped comes in the result's :class:`Report`; ``"raise"`` reads it at once);
+    at W > 1 the closing status is the step's one host read. Where it says the agreement did not hold
+    (a rank's layout changed, or it failed), the step changed nothing and runs again after a full
+    agreement, which raises where ranks really differ."""
     entries = [e for e in entries if e.record.use_swan] + [e for e in entries if not e.record.use_swan]
     try:  # SWAN's matrices first: an entry's index is its matrix index in the exchange
-        flags, key = agree(entries, failure, ctx, memo, groups)
-        skip, bad_grads = skipped(entries, flags)
-        done = done._replace(skipped=tuple(bad_grads))
-        nonfinite: list[str] = []
-        late = Deferred(ctx.world)
-        with late:
-            whitened = _update(entries, skip, key, ctx, memo, state, nonfinite, late)
-            done = done._replace(whitened=whitened)
-        nonfinite = _close(ctx, late.error, nonfinite)
-        if nonfinite:
-            nonfinite_update(entries, nonfinite)
-        return done._replace(nonfinite=tuple(nonfinite))
+        for _ in range(2):
+            done = _run(entries, ctx, memo, groups, state, failure)
+            if done is not None:
+                return done
+        raise RuntimeError("swan_dist: the ranks' step agreement did not hold twice in a row")
     except Exception as e:  # noqa: BLE001 - every rank reaches here alike (the agreement and _close decide)
-        return done._replace(failure=e)
+        return StepResult(0, (), (), e)
 
 
-def _update(entries: list[Entry], skip: set[int], key: tuple | None, ctx: StepContext, memo: EngineMemo,
-            state: dict, nonfinite: list[str], late: Deferred) -> int:
-    """The fallback rules, then SWAN's matrices whitened and applied; returns the number of matrices this
-    rank whitened. What fails here at W > 1 goes to ``late`` (the exchange's collectives all run
-    regardless); names of matrices whose update was not finite go to ``nonfinite``."""
-    swan = sum(e.record.use_swan for e in entries)  # entries[:swan], SWAN's matrices (run_step's order)
+def _run(entries: list[Entry], ctx: StepContext, memo: EngineMemo, groups: Sequence[dict], state: dict,
+         failure: BaseException | None) -> StepResult | None:
+    """One try of :func:`run_step`; ``None`` where the agreement did not hold (nothing was updated)."""
+    agreed = agree(entries, failure, ctx, memo, groups)
+    named = [(e.record.name, e.group["nonfinite"]) for e in entries]
+    wanted = agreed.codes == int(GradCode.FINITE)
+    strict = [i for i, (_, mode) in enumerate(named) if mode != "skip"]
+    if strict:  # skip_step / raise: a non-finite gradient there leaves the whole step out
+        wanted &= ~(agreed.codes[host_tensor(strict, torch.int64, wanted.device)] == int(GradCode.NONFINITE)).any()
+    if agreed.held is not None:
+        wanted &= agreed.held
+    missed = Missed()
+    late = Deferred(ctx.world)
     with late:
-        run_fallbacks(state, groups_of(entries), entries, skip)
+        if agreed.blind:  # this rank's entries are not what was agreed: it updates nothing
+            wanted = None
+        whitened = _update(entries, agreed.key, ctx, memo, state, wanted, missed, late)
+    n_grads = (agreed.codes == int(GradCode.NONFINITE)).sum(dtype=torch.int32)
+    counts = torch.stack([n_grads, missed.count(n_grads.device)])
+    if ctx.world == 1:
+        if late.error is not None:
+            raise late.error
+        report = Report(counts, named, agreed.codes, missed)
+        if any(mode == "raise" for _, mode in named):  # that option's price: one read per step
+            return StepResult(whitened, *report.resolve(), None)
+        return StepResult(whitened, (), (), None, report)
+    return _close(ctx, memo, late.error, agreed, counts, named, missed, whitened)
+
+
+def _update(entries: list[Entry], key: tuple | None, ctx: StepContext, memo: EngineMemo, state: dict,
+            wanted: Tensor | None, missed: Missed, late: Deferred) -> int:
+    """The fallback rules, then SWAN's matrices whitened and applied where ``wanted`` (``None``: this
+    rank updates nothing, yet issues every collective); returns the number of matrices this rank whitened.
+    What fails here at W > 1 goes to ``late`` (the exchange's collectives all run regardless); matrices
+    whose update was not finite are counted in ``missed``."""
+    swan = sum(e.record.use_swan for e in entries)  # entries[:swan], SWAN's matrices (run_step's order)
+    if wanted is not None:
+        with late:
+            run_fallbacks(state, groups_of(entries), entries, set(), wanted)
     if ctx.mode == "local":
-        mine = [e for i, e in enumerate(entries[:swan]) if i not in skip and e.piece.grad is not None]
-        return whiten_local(mine, nonfinite) if late.error is None else 0
-    if not swan:  # the agreed structure covers the entries: every rank returns here or none does
+        if wanted is None or late.error is not None:
+            return 0
+        idx = [i for i, e in enumerate(entries[:swan]) if e.piece.grad is not None]
+        mine = [entries[i] for i in idx]
+        return whiten_local(mine, wanted[host_tensor(idx, torch.int64, wanted.device)] if mine else wanted, missed)
+    if wanted is not None:
+        memo.swan = swan
+    if not memo.swan:  # the agreed structure has no matrix: every rank returns here or none does
         return 0
-    mine = entries[:swan]
-    plan = memo.plans.get(key, mine, ctx.mode, ctx.bucket_mb, ctx.group, ctx.device)
-    whitened, error = memo.plans.run(plan, mine, skip, ctx.device, nonfinite)
+    plan = memo.plans.get(key, entries[:swan], ctx.mode, ctx.bucket_mb, ctx.group, ctx.device)
+    whitened, error = memo.plans.run(plan, entries[:swan], wanted, ctx.device, missed)
     late.error = late.error or error
     return whitened
 
@@ -145,21 +214,27 @@ def groups_of(entries: Sequence[Entry]) -> list[dict]:
     return list({id(e.group): e.group for e in entries}.values())
 
 
-def _close(ctx: StepContext, late: BaseException | None, nonfinite: list[str]) -> list[str]:
-    """The step's last collective: any rank's late failure or non-finite update reaches every rank (one
-    ``all_reduce(MAX)`` of ``[failed, non-finite]``); raises that rank's error alike on every rank, else
-    returns every rank's non-finite names."""
-    if ctx.world == 1:
+def _close(ctx: StepContext, memo: EngineMemo, late: BaseException | None, agreed, counts: Tensor,
+           named: list[tuple[str, str]], missed: Missed, whitened: int) -> StepResult | None:
+    """The step's last collective and its one host read: one ``all_reduce(MAX)`` of ``[failed, agreement
+    not held, non-finite gradients, non-finite updates]``. Raises a rank's error alike on every rank;
+    ``None`` where the agreement did not hold (the step updated nothing: the caller runs it again after a
+    full agreement); else the result, with every rank's non-finite names read only where there were some."""
+    held = torch.ones((), dtype=torch.bool, device=counts.device) if agreed.held is None else agreed.held
+    flags = host_tensor([int(late is not None)], torch.int32, counts.device)
+    status = torch.cat([flags, (~held).to(torch.int32).reshape(1), counts])
+    if is_fake(status):  # a fake step (torch's fake process group): no values cross, nothing to read
         if late is not None:
             raise late
-        return nonfinite
-    status = torch.tensor([late is not None, bool(nonfinite)], dtype=torch.int32, device=ctx.device)
-    if is_fake(status):  # a fake step (torch's fake process group): this rank's own status, no values cross
-        failed, bad = late is not None, False
-        if late is not None:
-            raise late
-    else:
-        failed, bad = all_reduce_max(status, ctx.group)
+        return StepResult(whitened, (), (), None)
+    failed, changed, n_grads, n_updates = all_reduce_max(status, ctx.group).tolist()
     if failed:
         raise_rank_failure(explain(late, ctx.bucket_mb), ctx.group)
-    return gather_names(nonfinite, ctx.group) if bad else nonfinite
+    if changed:
+        memo.agreement.agreed = None
+        return None
+    skipped = nonfinite_grads(named, agreed.codes.tolist()) if n_grads else []
+    bad = gather_names(missed.names(), ctx.group) if n_updates else []
+    if bad:
+        nonfinite_update(named, bad)
+    return StepResult(whitened, tuple(skipped), tuple(bad), None)

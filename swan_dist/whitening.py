@@ -15,13 +15,13 @@ from torch import Tensor
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from .adapter import adapter_for
-from .collectives import gather_objects
+from .collectives import gather_objects, host_tensor
 from .exchange import Exchange
-from .functional import WhitenConfig, is_fake, swan_update, whiten_flops
+from .functional import WhitenConfig, swan_update, whiten_flops
 from .layout import matrices_in, part_shapes, update_canonical
 from .plan import Matrix, Plan, build_plan
 from .records import Entry
-from .rules import Pending, apply_stack
+from .rules import Missed, Pending, apply_stack
 
 __all__ = ["whiten_local", "Plans", "explain", "swan_compute", "swan_cost", "swan_plan", "swan_exchange"]
 
@@ -68,14 +68,15 @@ def explain(failure: BaseException | None, bucket_mb: float) -> BaseException | 
     return out
 
 
-def whiten_local(entries: Sequence[Entry], nonfinite: list[str]) -> int:
+def whiten_local(entries: Sequence[Entry], wanted: Tensor, missed: Missed) -> int:
     """Every matrix whole on this rank: whiten here, batched over same shape and config, the updates
-    applied per stack with foreach kernels; a matrix whose update came out non-finite is not applied and
-    its name added to ``nonfinite``. Returns the number of matrices whitened."""
+    applied per stack with foreach kernels where ``wanted`` (a bool per entry, on the device) is set and
+    the update came out finite (others counted in ``missed``); decided on the device. Returns the number
+    of matrices whitened."""
     batches: defaultdict = defaultdict(list)
-    for e in entries:
+    for i, e in enumerate(entries):
         g, r = e.piece.grad, e.record
-        batches[(r.shape, g.dtype, g.device, r.cfg, r.split)].append(e)
+        batches[(r.shape, g.dtype, g.device, r.cfg, r.split)].append(i)
     whitened = 0
     for (shape, _, device, cfg, split), chunk_all in batches.items():
         numel = torch.Size(shape).numel()
@@ -83,18 +84,17 @@ def whiten_local(entries: Sequence[Entry], nonfinite: list[str]) -> int:
         bound = cpu_bound if device.type == "cpu" else _MAX_BATCH_BYTES
         per = max(1, bound // max(1, 4 * numel))
         for k in range(0, len(chunk_all), per):
-            chunk = chunk_all[k: k + per]
+            idx = chunk_all[k: k + per]
+            chunk = [entries[i] for i in idx]
             # one matrix: a view of its gradient, no copy (torch.stack copies even one)
             rows = chunk[0].piece.grad.unsqueeze(0) if len(chunk) == 1 else torch.stack([e.piece.grad for e in chunk])
             upd, ok = update_canonical(rows, [e.record.layout for e in chunk], shape, split,
                                        lambda x: swan_compute(x, cfg))
-            if not is_fake(ok) and not bool(ok.all()):
-                keep = ok.tolist()
-                nonfinite += [e.record.name for e, good in zip(chunk, keep) if not good]
-                chunk, upd = [e for e, good in zip(chunk, keep) if good], upd[ok]
-            if chunk:
-                apply_stack([e.group for e in chunk], [e.piece.param for e in chunk], upd)
-            whitened += len(chunk_all[k: k + per]) * matrices_in(shape, split)
+            want = wanted[idx[0]:idx[0] + 1] if len(idx) == 1 else wanted[host_tensor(idx, torch.int64, wanted.device)]
+            want = want.to(ok.device)
+            missed.add([e.record.name for e in chunk], want & ~ok)
+            apply_stack([e.group for e in chunk], [e.piece.param for e in chunk], upd, want & ok)
+            whitened += len(chunk) * matrices_in(shape, split)
     return whitened
 
 
@@ -144,19 +144,24 @@ class Plans:
         self.built += 1
         return plan
 
-    def run(self, plan: Exchange, entries: Sequence[Entry], skip: set[int], device: torch.device,
-            nonfinite: list[str]) -> tuple[int, BaseException | None]:
-        """Whiten the matrices of ``entries`` (but those at the indices in ``skip``) on their owners and
-        apply each update piece here; a piece whose owner's update was not finite (or whose owner failed)
-        is not applied and its name added to ``nonfinite``. Returns the number of matrices this rank
-        whitened and what failed here (every collective of the step was issued all the same)."""
+    def run(self, plan: Exchange, entries: Sequence[Entry], wanted: Tensor | None, device: torch.device,
+            missed: Missed) -> tuple[int, BaseException | None]:
+        """Whiten the matrices of ``entries`` on their owners and apply each update piece here where
+        ``wanted`` (a bool per entry, on the device) is set and its owner's update was finite (others
+        counted in ``missed``). ``wanted=None``: this rank takes part without updating anything (it knows
+        its entries are not what was agreed: it sends zeros and applies nothing). Returns the number of
+        matrices this rank whitened and what failed here (every collective of the step was issued all the
+        same)."""
         self.last = plan
-        pending = Pending(_CPU_PASS_BYTES if device.type == "cpu" else _FLUSH_BYTES, nonfinite)
+        pending = Pending(_CPU_PASS_BYTES if device.type == "cpu" else _FLUSH_BYTES, missed)
+        if wanted is None:
+            return plan.run([None] * len(plan.plan.specs), set(), lambda m, u, finite: None), plan.failure
+        want = wanted.to(device).unbind(0)
 
-        def on_update(m: int, u: Tensor, finite: bool) -> None:
-            pending.add(entries[m].group, entries[m].piece.param, u, entries[m].record.name, finite)
+        def on_update(m: int, u: Tensor, finite: Tensor) -> None:
+            pending.add(entries[m].group, entries[m].piece.param, u, entries[m].record.name, finite, want[m])
 
-        whitened = plan.run([e.piece.grad for e in entries], skip, on_update)
+        whitened = plan.run([e.piece.grad for e in entries], set(), on_update)
         failure = plan.failure
         if failure is None:
             try:

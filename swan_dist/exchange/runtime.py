@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..collectives import Transfer, is_fake, start_all_to_all
+from ..collectives import Transfer, host_tensor, start_all_to_all
 from ..layout import matrices_in, update_canonical
 from ..plan import Plan
 from .schedule import MAX_PHASES, PHASE_BYTES, Splits, Step, build_steps
@@ -17,7 +17,7 @@ from .schedule import MAX_PHASES, PHASE_BYTES, Splits, Step, build_steps
 __all__ = ["Exchange", "Compute", "OnUpdate"]
 
 Compute = Callable[[Tensor, Hashable], tuple[Tensor, Tensor]]  # (stack, cfg) -> (updates, finite per matrix)
-OnUpdate = Callable[[int, Tensor, bool], None]  # (matrix, this rank's flat update piece, finite)
+OnUpdate = Callable[[int, Tensor, Tensor], None]  # (matrix, this rank's flat update piece, finite: 0-d bool)
 
 
 class Exchange:
@@ -166,17 +166,17 @@ class Exchange:
                 whitened += len(ms) * matrices_in(spec.shape, spec.split)
                 upd, ok = update_canonical(stack, [self.plan.specs[m].layout for m in ms], spec.shape, spec.split,
                                            lambda x: self.compute(x, spec.cfg))
-                for m, u, finite in zip(ms, upd, [True] * len(ms) if is_fake(ok) else ok.tolist()):
+                for m, u, finite in zip(ms, upd, ok.unbind(0)):
                     lo, hi = my[m]
                     if hi > lo:
                         on_update(m, u[lo:hi], finite)
                     for lo, hi, off, flag in st.updates_out.get(m, ()):
                         send[off: off + hi - lo].copy_(u[lo:hi])
-                        send[flag] = float(finite)
+                        send[flag: flag + 1].copy_(finite.reshape(1))  # on the device: no host read
         except Exception as e:  # noqa: BLE001
             self.failure = e
-        if self.failure is not None:
-            send.fill_(float("nan"))
+        if self.failure is not None:  # owed updates: zeros flagged not finite (a receiver skips them)
+            send.zero_()
         for m in skip:  # skipped matrices keep their (zero-filled) place
             for lo, hi, off, flag in st.updates_out.get(m, ()):
                 send[off: off + hi - lo].zero_()
@@ -213,11 +213,10 @@ class Exchange:
             return
         try:
             slots = [(m, s) for m, ss in st.updates_in.items() if m not in skip for s in ss]
-            if is_fake(recv):  # a fake step: every owner's update assumed finite
-                flags = [1.0] * len(slots)
-            else:
-                flags = recv[torch.tensor([s.flag for _, s in slots], device=recv.device)].tolist() if slots else []
+            if not slots:
+                return
+            flags = (recv[host_tensor([s.flag for _, s in slots], torch.int64, recv.device)] == 1.0).unbind(0)
             for (m, (lo, hi, off, _)), flag in zip(slots, flags):
-                on_update(m, recv[off: off + hi - lo], flag == 1.0)
+                on_update(m, recv[off: off + hi - lo], flag)
         except Exception as e:  # noqa: BLE001 - kept for the caller
             self.failure = e

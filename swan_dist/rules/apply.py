@@ -1,12 +1,16 @@
 """Applying SWAN's updates: ``p ← p·(1 − lr·α·wd) − lr·α·ΔW``, with foreach kernels per stack or per
-set of pieces handed back by the exchange (:class:`Pending`)."""
+set of pieces handed back by the exchange (:class:`Pending`).
+
+Which updates apply is decided on the device: each update comes with a bool flag (its gradient was
+finite and its owner's update too, the step's agreement held); a flag that is off leaves the parameter
+bit for bit unchanged (its update is multiplied by 0 and its decay by 1), with no host read."""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
-__all__ = ["factors", "apply_one", "apply_many", "apply_stack", "Pending", "foreach_scalar"]
+__all__ = ["factors", "apply_one", "apply_many", "apply_stack", "Missed", "Pending", "foreach_scalar"]
 
 
 def foreach_scalar(value: float, like: Tensor) -> float | Tensor:
@@ -16,7 +20,6 @@ def foreach_scalar(value: float, like: Tensor) -> float | Tensor:
     if like.device.type == "cpu" and like.dtype == torch.float32:
         return torch.tensor(value, dtype=torch.float32)
     return value
-
 
 
 def factors(group: dict) -> tuple[float, float]:
@@ -32,57 +35,109 @@ def apply_one(group: dict, param: Tensor, update: Tensor) -> None:
     param.add_(update.to(param.device, param.dtype), alpha=-lr)
 
 
-def apply_many(group: dict, params: list[Tensor], updates: list[Tensor]) -> None:
-    """:func:`apply_one` for many same-device, same-dtype params and updates, with foreach kernels."""
+def _decay_masked(params: list[Tensor], decay: float, ok: Tensor) -> None:
+    """``p ← p·decay`` where ``ok``, unchanged elsewhere (one bool per param, on their device). fp32/fp64:
+    a multiply by the factor in the parameter's precision (as the unmasked step); narrower dtypes:
+    ``p + p·(decay − 1)``, the factor's rounding in that dtype costing a relative 2⁻⁹ of the decay, not of
+    the weight."""
+    dtype = params[0].dtype
+    if dtype in (torch.float32, torch.float64):
+        torch._foreach_mul_(params, list(torch.where(ok, decay, 1.0).to(dtype).unbind(0)))
+    else:
+        torch._foreach_addcmul_(params, params, list(torch.where(ok, decay - 1.0, 0.0).to(dtype).unbind(0)))
+
+
+def apply_many(group: dict, params: list[Tensor], updates: list[Tensor], ok: Tensor | None = None) -> None:
+    """:func:`apply_one` for many same-device, same-dtype params and updates, with foreach kernels; with
+    ``ok`` (a bool per param, on their device) only where it is set. The updates must be finite (the
+    engine zeroes what is not) and may be scaled in place."""
     lr, decay = factors(group)
-    if decay != 1.0:
+    if ok is not None:
+        torch._foreach_mul_(updates, list(ok.to(updates[0].dtype).unbind(0)))
+        if decay != 1.0:
+            _decay_masked(params, decay, ok)
+    elif decay != 1.0:
         torch._foreach_mul_(params, foreach_scalar(decay, params[0]))
     torch._foreach_add_(params, updates, alpha=-lr)
 
 
-def apply_stack(groups: list[dict], params: list[Tensor], rows: Tensor) -> None:
+def apply_stack(groups: list[dict], params: list[Tensor], rows: Tensor, ok: Tensor | None = None) -> None:
     """Row j of ``rows`` is the flat update of ``params[j]`` (of group ``groups[j]``): applied per
     (group, device, dtype) with foreach kernels, the update cast once per stack as :func:`apply_one`
-    casts each."""
+    casts each; with ``ok`` (a bool per row) only the rows where it is set."""
     sets: dict[tuple, tuple[dict, list[int]]] = {}
     for j, (g, p) in enumerate(zip(groups, params)):
         sets.setdefault((id(g), p.device, p.dtype), (g, []))[1].append(j)
+    if ok is not None:
+        rows = rows.masked_fill(~ok.unsqueeze(1), 0.0) if rows.dim() == 2 else rows
     cast: dict[tuple, Tensor] = {}
     for (_, dev, dt), (g, js) in sets.items():
         u = cast.get((dev, dt))
         if u is None:
             u = cast[(dev, dt)] = rows.to(dev, dt)
-        apply_many(g, [params[j] for j in js], list(u.unbind(0)) if len(js) == len(params) else [u[j] for j in js])
+        whole = len(js) == len(params)
+        mask = None if ok is None else (ok if whole else ok[torch.tensor(js, device=ok.device)]).to(dev)
+        lr, decay = factors(g)
+        ps = [params[j] for j in js]
+        if mask is not None and decay != 1.0:
+            _decay_masked(ps, decay, mask)
+        elif decay != 1.0:
+            torch._foreach_mul_(ps, foreach_scalar(decay, ps[0]))
+        torch._foreach_add_(ps, list(u.unbind(0)) if whole else [u[j] for j in js], alpha=-lr)
+
+
+class Missed:
+    """The matrices of a step whose update was wanted but came out non-finite, as bool tensors on the
+    device: counted without a host read (:meth:`count`), named by reading them (:meth:`names`, asked only
+    where a step's status says there were some)."""
+
+    def __init__(self) -> None:
+        self.parts: list[tuple[list[str], Tensor]] = []
+
+    def add(self, names: list[str], bad: Tensor) -> None:
+        self.parts.append((names, bad.reshape(-1)))
+
+    def count(self, device: torch.device) -> Tensor:
+        if not self.parts:
+            return torch.zeros((), dtype=torch.int32, device=device)
+        return torch.cat([b.to(device) for _, b in self.parts]).sum(dtype=torch.int32)
+
+    def names(self) -> list[str]:
+        if not self.parts:
+            return []
+        bad = torch.cat([b.to(self.parts[0][1].device) for _, b in self.parts]).tolist()
+        return list(dict.fromkeys(n for n, b in zip((n for ns, _ in self.parts for n in ns), bad) if b))
 
 
 class Pending:
     """Updates handed back one piece at a time, applied (as :func:`apply_one`) with foreach kernels per
     (group, device, dtype) once ``limit`` bytes of them are held, and at :meth:`flush`. Each piece
-    receives one update per step, so the order is free. A piece whose owner's update was not finite (its
-    flag; an owner that failed flags all it owed) is not applied: its name goes to ``nonfinite``."""
+    receives one update per step, so the order is free. Each piece comes with two 0-d bools on the device:
+    ``finite`` (its owner's update came out finite) and ``wanted`` (the step applies its matrix: a finite
+    gradient, the step's agreement held); it is applied where both are set, and counted in ``missed``
+    where it was wanted but not finite."""
 
-    def __init__(self, limit: int, nonfinite: list[str]) -> None:
-        self.limit, self.held, self.nonfinite = limit, 0, nonfinite
-        self.sets: dict[tuple, tuple[dict, list[Tensor], list[Tensor]]] = {}
+    def __init__(self, limit: int, missed: Missed) -> None:
+        self.limit, self.held, self.missed = limit, 0, missed
+        self.sets: dict[tuple, tuple[dict, list[Tensor], list[Tensor], list[Tensor]]] = {}
 
-    def add(self, group: dict, param: Tensor, u: Tensor, name: str, finite: bool) -> None:
-        if not finite:
-            self.nonfinite.append(name)
-            return
+    def add(self, group: dict, param: Tensor, u: Tensor, name: str, finite: Tensor, wanted: Tensor) -> None:
+        self.missed.add([name], wanted & ~finite)
         dev, dt = param.device, param.dtype
         if u.dtype != dt or u.device != dev:
             u = u.to(dev, dt)
         found = self.sets.get((id(group), dev, dt))
         if found is None:
-            found = self.sets[(id(group), dev, dt)] = (group, [], [])
+            found = self.sets[(id(group), dev, dt)] = (group, [], [], [])
         found[1].append(param)
         found[2].append(u)
+        found[3].append(finite & wanted)
         self.held += u.numel() * u.element_size()
         if self.held >= self.limit:
             self.flush()
 
     def flush(self) -> None:
-        for group, params, updates in self.sets.values():
-            apply_many(group, params, updates)
+        for group, params, updates, flags in self.sets.values():
+            apply_many(group, params, updates, torch.stack(flags).to(params[0].device))
         self.sets.clear()
         self.held = 0

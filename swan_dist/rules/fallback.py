@@ -25,7 +25,7 @@ else:  # pragma: no cover - older torch, run by launch/compat.sh
     from torch.optim.adamw import adamw as _adamw_functional
 
 from ..adapter import PLAIN, Piece, local_of
-from .apply import foreach_scalar
+from .apply import _decay_masked, foreach_scalar
 
 __all__ = ["run_fallback", "run_fallbacks"]
 
@@ -43,64 +43,106 @@ def _kinds(pieces: list[Piece]) -> list[list[Piece]]:
 
 
 def _adamw_state(state: dict, pc: Piece) -> tuple[Tensor, Tensor, Tensor]:
-    """(exp_avg, exp_avg_sq, step) of a piece, created zero on first use."""
+    """(exp_avg, exp_avg_sq, step) of a piece, created zero on first use; the step counter lives on the
+    target's device (as torch's fused and capturable AdamW keep it: no host value in the step), moved
+    there once from a checkpoint that kept it on the CPU."""
     s = pc.slot
     st = state[s.key]
+    dev = pc.target.device
     if s.index is None:
         if not st:
-            st["step"] = torch.tensor(0.0)
+            st["step"] = torch.tensor(0.0, device=dev)
             st["exp_avg"] = torch.zeros_like(pc.target, memory_format=torch.preserve_format)
             st["exp_avg_sq"] = torch.zeros_like(pc.target, memory_format=torch.preserve_format)
+        elif st["step"].device != dev:
+            st["step"] = st["step"].to(dev, torch.float32)
         return st["exp_avg"], st["exp_avg_sq"], st["step"]
     if not st:
-        st.update(step=torch.zeros(s.counts), exp_avg=s.key.new_zeros(s.size), exp_avg_sq=s.key.new_zeros(s.size))
+        st.update(step=torch.zeros(s.counts, device=s.key.device), exp_avg=s.key.new_zeros(s.size),
+                  exp_avg_sq=s.key.new_zeros(s.size))
+    elif st["step"].device != s.key.device:
+        st["step"] = st["step"].to(s.key.device, torch.float32)
     return st["exp_avg"][s.a:s.b], st["exp_avg_sq"][s.a:s.b], st["step"][s.index]
 
 
 def _fusable(targets: list[Tensor], grads: list[Tensor], *states: list[Tensor]) -> bool:
-    """torch's fused AdamW takes these: plain contiguous CPU tensors of one floating dtype, fp32 step
-    counters on the same device. On accelerators the step counters live on the CPU (as torch's own
-    non-fused AdamW keeps them, and as checkpoints hold them), which the fused kernel does not take:
-    foreach there."""
+    """torch's fused AdamW takes these: plain contiguous tensors of one floating dtype on one device,
+    gradients and moments of that dtype, fp32 step counters on that device."""
     t0 = targets[0]
-    if type(t0) not in PLAIN or t0.device.type != "cpu" or t0.dtype not in _FUSED_DTYPES:
+    if type(t0) not in PLAIN or t0.dtype not in _FUSED_DTYPES:
         return False
-    dtype = t0.dtype
+    dtype, dev = t0.dtype, t0.device
     for t, g, m, v, s in zip(targets, grads, *states):
         if (type(g) not in PLAIN or g.dtype != dtype or m.dtype != dtype or v.dtype != dtype
-                or not isinstance(s, Tensor) or s.device.type != "cpu" or s.dtype != torch.float32
+                or not isinstance(s, Tensor) or s.device != dev or s.dtype != torch.float32 or g.device != dev
                 or not (t.is_contiguous() and g.is_contiguous() and m.is_contiguous() and v.is_contiguous())):
             return False
     return True
 
 
-def _adamw(state: dict, group: dict, pieces: list[Piece]) -> None:
+def _adamw(state: dict, group: dict, pieces: list[Piece], skip: Tensor | None) -> None:
+    """torch's AdamW over the pieces; ``skip`` (float, 1.0 where a piece is not updated this step: one
+    value for all, 0-d, or one per piece) is torch's ``found_inf``: the fused kernel leaves such a piece,
+    its moments and its step count bit for bit unchanged, decided on the device (GradScaler's way).
+    Gradients of another dtype than their target (or not contiguous) are given to it converted; where
+    the kernel still cannot run (a tensor subclass), torch's foreach AdamW runs and what ``skip`` masks
+    is put back from copies."""
     b1, b2 = group["betas"]
     for kind in _kinds(pieces):
         m, v, st = zip(*(_adamw_state(state, pc) for pc in kind))
         targets, grads, m, v = local_of(kind[0].target, [pc.target for pc in kind],
                                         [pc.target_grad for pc in kind], m, v)
         st = list(st)
-        _adamw_functional(
-            targets, grads, m, v, [], st, amsgrad=False, beta1=b1, beta2=b2,
-            lr=float(group["lr"]), weight_decay=float(group["weight_decay"]), eps=float(group["eps"]),
-            maximize=False, **({"fused": True} if _fusable(targets, grads, m, v, st) else {"foreach": True}),
-        )
+        if type(targets[0]) in PLAIN and type(grads[0]) in PLAIN:
+            grads = [g if g.dtype == t.dtype and g.is_contiguous() else g.to(t.dtype).contiguous()
+                     for t, g in zip(targets, grads)]
+        kw = dict(amsgrad=False, beta1=b1, beta2=b2, lr=float(group["lr"]),
+                  weight_decay=float(group["weight_decay"]), eps=float(group["eps"]), maximize=False)
+        if _fusable(targets, grads, m, v, st):
+            if skip is None or skip.dim() == 0:
+                _adamw_functional(targets, grads, m, v, [], st, fused=True, found_inf=skip, **kw)
+                continue
+            pos = {id(pc): i for i, pc in enumerate(pieces)}
+            for j, i in enumerate(pos[id(pc)] for pc in kind):  # one flag per piece: one kernel each
+                _adamw_functional(targets[j:j + 1], grads[j:j + 1], m[j:j + 1], v[j:j + 1], [], st[j:j + 1],
+                                  fused=True, found_inf=skip[i], **kw)
+            continue
+        saved = None if skip is None else [[x.clone() for x in xs] for xs in (targets, m, v, st)]
+        _adamw_functional(targets, grads, m, v, [], st, foreach=True, **kw)
+        if saved is not None:
+            pos = {id(pc): i for i, pc in enumerate(pieces)}
+            keep = [skip if skip.dim() == 0 else skip[pos[id(pc)]] for pc in kind]
+            for xs, old in zip((targets, m, v, st), saved):
+                for x, o, k in zip(xs, old, keep):
+                    x.copy_(torch.where(k.to(x.device) > 0, o, x))
 
 
-def _stateless(group: dict, pieces: list[Piece], sign: bool) -> None:
-    """``t ← t·(1 − lr·wd) − lr·d`` with ``d`` the gradient's sign (``sign``) or the gradient (``sgd``)."""
+def _stateless(group: dict, pieces: list[Piece], sign: bool, skip: Tensor | None) -> None:
+    """``t ← t·(1 − lr·wd) − lr·d`` with ``d`` the gradient's sign (``sign``) or the gradient (``sgd``);
+    where ``skip`` (as :func:`_adamw`'s) is set the target is left unchanged."""
     lr, wd = float(group["lr"]), float(group["weight_decay"])
     for kind in _kinds(pieces):
         targets, grads = local_of(kind[0].target, [pc.target for pc in kind], [pc.target_grad for pc in kind])
+        keep = None
+        if skip is not None:
+            pos = {id(pc): i for i, pc in enumerate(pieces)}
+            keep = (skip == 0).expand(len(kind)) if skip.dim() == 0 else (skip[[pos[id(pc)] for pc in kind]] == 0)
+            keep = keep.to(targets[0].device)
+            grads = [torch.where(k, g, 0) for k, g in zip(keep.unbind(0), grads)]  # no NaN reaches a target
         if type(targets[0]) not in PLAIN or type(grads[0]) not in PLAIN:  # (a subclass: one at a time)
-            for t, g in zip(targets, grads):
+            for j, (t, g) in enumerate(zip(targets, grads)):
                 if wd:
-                    t.mul_(1.0 - lr * wd)
+                    if keep is None:
+                        t.mul_(1.0 - lr * wd)
+                    else:
+                        _decay_masked([t], 1.0 - lr * wd, keep[j:j + 1])
                 t.add_(g.sign() if sign else g, alpha=-lr)
             continue
         if wd:
-            torch._foreach_mul_(targets, foreach_scalar(1.0 - lr * wd, targets[0]))
+            if keep is None:
+                torch._foreach_mul_(targets, foreach_scalar(1.0 - lr * wd, targets[0]))
+            else:
+                _decay_masked(targets, 1.0 - lr * wd, keep)
         if not sign:
             torch._foreach_add_(targets, grads, alpha=-lr)
             continue
@@ -142,22 +184,29 @@ def _chunks(targets: list[Tensor], grads: list[Tensor], budget: int):
         yield ts, gs
 
 
-def run_fallbacks(state: dict, groups: list[dict], entries: list, skip: set[int]) -> None:
-    """Every group's fallback rule over its entries that have a gradient here and are not skipped."""
-    todo: dict[int, list[Piece]] = {}  # fallback pieces per group, in group order
+def run_fallbacks(state: dict, groups: list[dict], entries: list, skip: set[int], wanted: Tensor | None = None
+                  ) -> None:
+    """Every group's fallback rule over its entries that have a gradient here and are not in ``skip``;
+    with ``wanted`` (a bool per entry, on the device: the step applies it) only where it is set, decided
+    on the device."""
+    todo: dict[int, list[int]] = {}  # fallback entries per group, in group order
     for i, e in enumerate(entries):
         if not e.record.use_swan and e.piece.target_grad is not None and i not in skip:
-            todo.setdefault(id(e.group), []).append(e.piece)
+            todo.setdefault(id(e.group), []).append(i)
     for g in groups:
         if todo.get(id(g)):
-            run_fallback(state, g, todo[id(g)])
+            idx = todo[id(g)]
+            mask = None if wanted is None else (~wanted[torch.tensor(idx, device=wanted.device)]).float()
+            run_fallback(state, g, [entries[i].piece for i in idx], mask)
 
 
-def run_fallback(state: dict, group: dict, pieces: list[Piece]) -> None:
-    """The group's fallback rule over its pieces (each with a gradient); AdamW keeps its state in ``state``."""
+def run_fallback(state: dict, group: dict, pieces: list[Piece], skip: Tensor | None = None) -> None:
+    """The group's fallback rule over its pieces (each with a gradient); AdamW keeps its state in ``state``.
+    ``skip``: a float per piece, 1.0 where it is left unchanged (or one 0-d value for all)."""
     rule = group["fallback"]
+    if skip is not None and group["nonfinite"] != "skip":  # the whole step is skipped or not: one flag
+        skip = skip.amax()
     if rule == "adamw":
-        _adamw(state, group, pieces)
+        _adamw(state, group, pieces, skip)
     else:
-        _stateless(group, pieces, sign=rule == "sign")
-
+        _stateless(group, pieces, sign=rule == "sign", skip=skip)

@@ -13,7 +13,7 @@ from ..functional import WhitenConfig
 __all__ = ["FALLBACKS", "NONFINITE", "SCALAR_KEYS", "check_group", "check_scalars", "whiten_config"]
 
 FALLBACKS = ("adamw", "sign", "sgd")
-NONFINITE = ("skip", "raise")
+NONFINITE = ("skip", "skip_step", "raise")
 # Options a scheduler or a user may change between steps: they never rebuild a plan, and every rank
 # must agree on them (checked inside the step's one collective).
 SCALAR_KEYS = ("lr", "alpha", "weight_decay", "eps", "betas", "nonfinite")
