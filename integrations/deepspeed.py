@@ -17,6 +17,10 @@ DeepSpeed replaced.
 
 The engine's model is tagged (``swan_dist.tag_model``) when the engine builds SWAN from its JSON
 (:func:`engine_module`), so the bare parameters DeepSpeed passes keep their names and rules.
+
+``"params"`` are SWAN's keyword arguments: ``"lr"`` is SWAN's own global lr (under the Transformers Trainer
+``"lr": "auto"`` is its ``learning_rate``, taken as SWAN's); ``"adamw_lr"`` is a tuned AdamW's lr, converted by
+the lr convention (:func:`swan_dist.from_adamw`), ``"auto"`` under the Trainer for its ``learning_rate``.
 :class:`DeepSpeedAdapter` is how the optimizer reaches all of this.
 """
 

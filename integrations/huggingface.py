@@ -29,7 +29,7 @@ from torch import Tensor, nn
 
 from swan_dist.adapter import Adapter
 
-__all__ = ["SWANFactory", "HuggingFaceAdapter", "trainer_model"]
+__all__ = ["SWANFactory", "HuggingFaceAdapter", "trainer_model", "trainer_args", "calling_trainer"]
 
 
 class SWANFactory:
@@ -37,7 +37,10 @@ class SWANFactory:
     model, with the keyword arguments of :class:`swan_dist.SWAN` (``preset``, ``lr``, ``fallback``, ...).
 
     ``TrainingArguments.learning_rate`` and ``weight_decay`` do not reach a custom optimizer (as for any
-    ``optimizer_cls_and_kwargs``): give ``lr`` here or take the preset's. The Trainer's scheduler
+    ``optimizer_cls_and_kwargs``), except through ``{"adamw_lr": "auto"}``: the Trainer's ``learning_rate`` is
+    then AdamW's lr, converted by the lr convention (:func:`swan_dist.from_adamw`), with its ``weight_decay``
+    (AdamW's, converted), ``adam_beta1``/``adam_beta2`` and ``adam_epsilon`` (the fallback's) where the kwargs
+    do not set them. ``{"adamw_lr": η}`` converts η; ``{"lr": ...}`` is SWAN's own lr. The Trainer's scheduler
     (``lr_scheduler_type``, ``warmup_steps``) scales the lr of every SWAN group; the preset's own warm-up
     and cosine schedule belong to the reference trainer and are not applied.
     """
@@ -51,7 +54,33 @@ class SWANFactory:
                 "pass it as Trainer(optimizer_cls_and_kwargs=(swan_dist.SWANFactory, {...})), or build "
                 "swan_dist.SWAN(model, ...) yourself"
             )
+        if kwargs.get("adamw_lr") == "auto" and (args := trainer_args()) is not None:
+            kwargs = {"weight_decay": args.weight_decay, "betas": (args.adam_beta1, args.adam_beta2),
+                      "eps": args.adam_epsilon, **kwargs, "adamw_lr": args.learning_rate}
         return SWAN(model, **kwargs)
+
+
+def calling_trainer():
+    """The ``transformers.Trainer`` up the call stack (building the optimizer: ``create_optimizer``, or DeepSpeed's
+    engine inside ``train``), or ``None``."""
+    if "transformers.trainer" not in sys.modules:  # no Trainer can exist
+        return None
+    from transformers.trainer import Trainer
+
+    frame = sys._getframe(1)
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, Trainer):
+            return owner
+        frame = frame.f_back
+    return None
+
+
+def trainer_args():
+    """The ``TrainingArguments`` of the Trainer up the call stack, or ``None``: ``adamw_lr="auto"`` takes its
+    ``learning_rate``."""
+    trainer = calling_trainer()
+    return None if trainer is None else trainer.args
 
 
 def trainer_model(params: Sequence[Tensor]) -> nn.Module | None:

@@ -28,7 +28,7 @@ _REFUSED = {
 }
 SWAN_OPTIONS = dict(preset="swan_ddagger", alpha=None, whitening=None, ns_steps=None, beta=None, grad_norm=None,
                     whiten_dtype=None, fallback=None, mode="auto", bucket_mb=256.0, split_qkv=True, split_glu=True,
-                    verbose=True)
+                    verbose=True, from_adamw=False)
 
 
 def _swan_kwargs(config: Any, swan: dict | None) -> dict:
@@ -38,6 +38,33 @@ def _swan_kwargs(config: Any, swan: dict | None) -> dict:
     if unknown:
         raise ValueError(f"swan_dist: unknown SWAN option(s) {sorted(unknown)}; known: {sorted(SWAN_OPTIONS)}")
     out.update(swan or {})
+    return out
+
+
+def _from_adamw(groups: list[dict], lr: float, opts: dict) -> list[dict]:
+    """Megatron's param groups with ``lr`` (``config.lr``, ``--lr``) read as AdamW's (``from_adamw``): each group's
+    ``max_lr``/``min_lr`` (which Megatron's scheduler writes into ``lr`` every step) times SWAN's lr over AdamW's
+    (4 with alpha 0.05), its ``wd_mult`` (on the scheduler's weight decay) times 5, as :func:`swan_dist.from_adamw`
+    converts them. Refused where the convention's fallback lr is not SWAN's lr (alpha other than 0.05): the
+    scheduler writes one lr per group."""
+    from swan_dist.lr import MATRIX_RATIO, from_adamw
+
+    conv = from_adamw(lr, preset=opts.get("preset"), alpha=opts.get("alpha"))
+    if "fallback_lr" in conv:
+        raise ValueError(
+            f"swan_dist: from_adamw (--swan-from-adamw) under Megatron needs the fallback tied to SWAN's lr (alpha 0.05, "
+            f"as swan_ddagger and swan_dagger have): with this preset/alpha the lr convention puts the matrices at "
+            f"{conv['lr']:.3g} and the fallback at {conv['fallback_lr']:.3g}, and Megatron's scheduler writes one lr into "
+            "each param group; use swan_ddagger or swan_dagger, or give SWAN's own --lr without from_adamw")
+    scale, wd_scale = conv["lr"] / lr, 1.0 / MATRIX_RATIO
+    out = []
+    for g in groups:
+        g = dict(g)
+        for key in ("max_lr", "min_lr"):
+            if g.get(key) is not None:
+                g[key] = g[key] * scale
+        g["wd_mult"] = g.get("wd_mult", 1.0) * wd_scale
+        out.append(g)
     return out
 
 
@@ -124,9 +151,11 @@ def get_swan_optimizer(config, model_chunks, config_overrides=None, use_gloo_pro
 
     Same arguments; SWAN's options come from ``swan`` (keys of ``SWAN_OPTIONS``: preset, alpha,
     whitening, ns_steps, beta, grad_norm, whiten_dtype, fallback, mode, bucket_mb, split_qkv,
-    split_glu, verbose) or ``swan_<key>`` attributes on ``config``. ``config.lr``, ``weight_decay``,
-    ``adam_beta1/2``, ``adam_eps`` keep their Megatron meaning (the betas and eps are the AdamW
-    fallback's); Megatron's scheduler, clipping, loss scaling and checkpointing work unchanged.
+    split_glu, verbose, from_adamw) or ``swan_<key>`` attributes on ``config``. ``config.lr`` (with its
+    ``min_lr``) is SWAN's global lr and ``weight_decay`` SWAN's; with ``from_adamw=True`` both are a tuned
+    AdamW's, converted by the lr convention (:func:`swan_dist.from_adamw`: every group's ``max_lr`` and
+    ``min_lr`` times 4, its ``wd_mult`` times 5). ``adam_beta1/2``, ``adam_eps`` are the AdamW fallback's;
+    Megatron's scheduler, clipping, loss scaling and checkpointing work unchanged.
     Returns Megatron's ``ChainedOptimizer``.
     """
     from megatron.core import parallel_state as ps
@@ -144,11 +173,14 @@ def get_swan_optimizer(config, model_chunks, config_overrides=None, use_gloo_pro
     experts = _expert_group() if _expert_parallel() else dense  # made here: a collective on every rank
     built: list[SWAN] = []
     verbose, stages = opts.pop("verbose"), ps.get_pipeline_model_parallel_world_size()
+    adamw = bool(opts.pop("from_adamw"))
 
     def factory(params, lr, weight_decay, betas, eps, **_):
         expert = any(g.get("is_expert_parallel") and g["params"] for g in params)
-        opt = SWAN(params, lr=lr, weight_decay=weight_decay, betas=tuple(betas), eps=eps,
-                   process_group=experts if expert else dense,
+        # from_adamw: lr and weight_decay are AdamW's; SWAN converts its defaults, the groups their schedule
+        lrs = dict(adamw_lr=lr) if adamw else dict(lr=lr)
+        opt = SWAN(_from_adamw(params, lr, opts) if adamw else params, **lrs, weight_decay=weight_decay,
+                   betas=tuple(betas), eps=eps, process_group=experts if expert else dense,
                    verbose=False, **{k: v for k, v in opts.items() if v is not None})
         built.append(opt)
         if verbose and torch.distributed.get_rank(dense) == 0:  # each pipeline stage's first rank: its own layers

@@ -12,9 +12,10 @@ runs the script with them; a user who edits the script adds one line at its top 
 :func:`install` adds ``swan`` to ``--optimizer``'s choices and the ``--swan-*`` options below to
 Megatron's parser, and routes the optimizer build of ``megatron.training.training`` to
 :func:`swan_dist.integrations.megatron_factory.get_swan_optimizer` when ``--optimizer swan`` is given (any other
-optimizer is built by Megatron as before). ``--lr``, ``--weight-decay``, ``--adam-beta1/2``,
-``--adam-eps`` (the AdamW fallback's), schedulers, clipping, loss scaling, logging and checkpoint
-flags keep their Megatron meaning.
+optimizer is built by Megatron as before). ``--lr`` and ``--min-lr`` are SWAN's global lr and
+``--weight-decay`` SWAN's, unless ``--swan-from-adamw`` says they are a tuned AdamW's (converted by the lr
+convention, :func:`swan_dist.from_adamw`); ``--adam-beta1/2``, ``--adam-eps`` (the AdamW fallback's),
+schedulers, clipping, loss scaling, logging and checkpoint flags keep their Megatron meaning.
 """
 
 from __future__ import annotations
@@ -41,6 +42,10 @@ SWITCHES = {  # store_false flags: SWAN whitens fused matrices as their parts un
     "--swan-fused-qkv": ("split_qkv", "whiten linear_qkv as one matrix instead of separate Q, K, V"),
     "--swan-fused-glu": ("split_glu", "whiten a gated linear_fc1 as one matrix instead of separate gate, up"),
 }
+ON_SWITCHES = {  # store_true flags
+    "--swan-from-adamw": ("from_adamw", "--lr, --min-lr and --weight-decay are a tuned AdamW's: converted by the lr "
+                          "convention (swan_dist.from_adamw: SWAN's lr 4x them, weight decay 5x)"),
+}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -53,6 +58,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         group.add_argument(flag, dest=f"swan_{key}", type=kind, default=None, help=text)
     for flag, (key, text) in SWITCHES.items():
         group.add_argument(flag, dest=f"swan_{key}", action="store_false", help=text)
+    for flag, (key, text) in ON_SWITCHES.items():
+        group.add_argument(flag, dest=f"swan_{key}", action="store_true", help=text)
     return parser
 
 
@@ -122,7 +129,7 @@ def main(argv: list[str] | None = None) -> None:
     runpy.run_path(script, run_name="__main__")
 
 
-__all__ = ["install", "main", "add_arguments", "optimizer_config", "FLAGS", "SWITCHES"]
+__all__ = ["install", "main", "add_arguments", "optimizer_config", "FLAGS", "SWITCHES", "ON_SWITCHES"]
 
 if __name__ == "__main__":
     main()

@@ -5,7 +5,13 @@ torchtitan builds its optimizers from ``Trainer.Config.optimizer`` (an ``Optimiz
 ``Config`` moves a job from AdamW or DistMuon to SWAN; nothing else in the job changes::
 
     from swan_dist.integrations.torchtitan import SwanOptimizersContainer
-    config.optimizer = SwanOptimizersContainer.Config(lr=8e-4, preset="swan_ddagger")
+    config.optimizer = SwanOptimizersContainer.Config(adamw_lr=8e-4)  # the job's default_adamw(lr=8e-4)
+
+**Learning rate.** ``adamw_lr`` is the lr the job's AdamW had, converted by the lr convention
+(:func:`swan_dist.from_adamw`: matrices at 0.2x it, the fallback at 4x); with neither ``adamw_lr`` nor ``lr``
+the config converts torchtitan's own AdamW default (``default_adamw``: lr 8e-4). ``betas``, ``eps`` and
+``weight_decay`` left unset are torchtitan's AdamW's ((0.9, 0.95), 1e-8, 0.1; the weight decay converted to
+SWAN's 0.5). ``lr`` is SWAN's own global lr instead (and ``weight_decay``, given with it, SWAN's own).
 
 What the container does with torchtitan's machinery:
 
@@ -55,14 +61,24 @@ from torchtitan.components.optimizer.utils import (
 )
 
 from swan_dist import SWAN
+from swan_dist.lr import MATRIX_RATIO
 from swan_dist.selection import tag_model
 
-__all__ = ["SwanOptimizersContainer", "TitanSWAN", "build_swan", "swan_config", "non_pp_group"]
+__all__ = ["SwanOptimizersContainer", "TitanSWAN", "build_swan", "swan_config", "non_pp_group", "titan_adamw"]
 
 SWAN_NAME = "SWAN"
 # torchtitan 0.3's GroupedExperts name their stacks by layout: w1_EFD, w3_EFD (E, ffn, dim) and w2_EDF (E, dim, ffn),
 # each expert stored (out, in): whitened per expert as stored
 EXPERT_STACKS = (r"\.w[13]_EFD$", r"\.w2_EDF$")
+
+
+def titan_adamw() -> dict[str, Any]:
+    """torchtitan's own AdamW settings (``default_adamw()``: lr, betas, eps, weight_decay; in 0.3.0 8e-4,
+    (0.9, 0.95), 1e-8, 0.1), read from torchtitan itself."""
+    from torchtitan.components.optimizer import default_adamw
+
+    kwargs = default_adamw().param_groups[0].optimizer_kwargs
+    return {k: kwargs[k] for k in ("lr", "betas", "eps", "weight_decay")}
 
 
 class TitanSWAN(SWAN):
@@ -122,8 +138,14 @@ class SwanOptimizersContainer(OptimizersContainer):
 
     @dataclass(kw_only=True, slots=True)
     class Config(OptimizersContainer.Config):
-        lr: float = 8e-4
-        """Global learning rate: SWAN matrices step at ``lr * alpha``, the fallback at ``lr`` (or ``fallback_lr``)."""
+        adamw_lr: float | None = None
+        """A tuned AdamW's lr, converted by the lr convention (:func:`swan_dist.from_adamw`: matrices at
+        ``lr * alpha = 0.2 adamw_lr``, the fallback at ``4 adamw_lr``). With neither this nor ``lr``: torchtitan's
+        AdamW default (``default_adamw``'s lr, 8e-4)."""
+
+        lr: float | None = None
+        """SWAN's own global learning rate instead: matrices step at ``lr * alpha``, the fallback at ``lr`` (or
+        ``fallback_lr``)."""
 
         preset: str | None = "swan_ddagger"
         """``swan_0`` | ``swan_dagger`` | ``swan_ddagger`` | a YAML path | ``None``."""
@@ -135,9 +157,16 @@ class SwanOptimizersContainer(OptimizersContainer):
         """Starting lr of the fallback groups, set apart from ``lr`` (the scheduler scales both)."""
 
         weight_decay: float | None = None
+        """AdamW's (converted: SWAN applies 5x it) unless ``lr`` is given, then SWAN's own; unset: torchtitan's
+        AdamW's (0.1), converted (0.5)."""
+
         alpha: float | None = None
         betas: tuple[float, float] | None = None
+        """Of the AdamW fallback; unset: torchtitan's AdamW's, (0.9, 0.95)."""
+
         eps: float | None = None
+        """Of the AdamW fallback; unset: torchtitan's AdamW's, 1e-8."""
+
         whiten_dtype: str | None = None
         """``auto`` | ``float32`` | ``bfloat16`` | ``float64``."""
 
@@ -162,10 +191,24 @@ class SwanOptimizersContainer(OptimizersContainer):
             return [*self.include, *(EXPERT_STACKS if self.whiten_experts else ())]
 
         def swan_kwargs(self) -> dict[str, Any]:
-            """The keyword arguments of :class:`swan_dist.SWAN` this config sets."""
-            kw = dict(lr=self.lr, preset=self.preset, fallback=self.fallback, fallback_lr=self.fallback_lr,
-                      weight_decay=self.weight_decay, alpha=self.alpha, betas=self.betas, eps=self.eps,
+            """The keyword arguments of :class:`swan_dist.SWAN` this config sets: ``adamw_lr`` (this config's, or
+            torchtitan's AdamW default) and AdamW's weight decay, or ``lr`` and SWAN's own; the fallback's betas
+            and eps, torchtitan's AdamW's where unset."""
+            if self.lr is not None and self.adamw_lr is not None:
+                raise ValueError(f"swan_dist: SwanOptimizersContainer.Config got adamw_lr={self.adamw_lr!r} and "
+                                 f"lr={self.lr!r}: adamw_lr is a tuned AdamW's lr, from which SWAN's lr follows "
+                                 "(swan_dist.from_adamw); give adamw_lr or lr, not both")
+            adamw = titan_adamw()
+            kw = dict(preset=self.preset, fallback=self.fallback, fallback_lr=self.fallback_lr, alpha=self.alpha,
+                      betas=adamw["betas"] if self.betas is None else self.betas,
+                      eps=adamw["eps"] if self.eps is None else self.eps,
                       whiten_dtype=self.whiten_dtype, mode=self.mode, bucket_mb=self.bucket_mb)
+            if self.lr is not None:  # SWAN's own lr; an unset weight decay is torchtitan's AdamW's, converted
+                kw.update(lr=self.lr, weight_decay=adamw["weight_decay"] / MATRIX_RATIO
+                          if self.weight_decay is None else self.weight_decay)
+            else:  # SWAN converts the AdamW lr and weight decay (swan_dist.from_adamw)
+                kw.update(adamw_lr=adamw["lr"] if self.adamw_lr is None else self.adamw_lr,
+                          weight_decay=adamw["weight_decay"] if self.weight_decay is None else self.weight_decay)
             return {k: v for k, v in kw.items() if v is not None or k == "preset"}
 
     @staticmethod
@@ -236,6 +279,7 @@ class SwanOptimizersContainer(OptimizersContainer):
             load_flat_optim_state_dict(optim, state_dict)
 
 
-def swan_config(lr: float = 8e-4, **kwargs: Any) -> SwanOptimizersContainer.Config:
-    """``SwanOptimizersContainer.Config(lr=lr, **kwargs)``: the counterpart of torchtitan's ``default_adamw``."""
-    return SwanOptimizersContainer.Config(lr=lr, **kwargs)
+def swan_config(lr: float | None = None, **kwargs: Any) -> SwanOptimizersContainer.Config:
+    """The counterpart of torchtitan's ``default_adamw(lr=...)``, with the same meaning of ``lr`` (AdamW's; unset:
+    torchtitan's default, 8e-4): ``SwanOptimizersContainer.Config(adamw_lr=lr, **kwargs)``."""
+    return SwanOptimizersContainer.Config(adamw_lr=lr, **kwargs)

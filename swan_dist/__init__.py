@@ -1,6 +1,7 @@
 """swan_dist: the SWAN optimizer (SGD with Whitening And Normalization) for sharded, multi-node training."""
 
 from .functional import WhitenConfig, grad_norm, rescale, swan_update, whiten
+from .lr import from_adamw
 from .optimizer import FALLBACKS, SWAN
 from .presets import list_presets, load_preset
 from .selection import Rule, classify, param_groups, tag_model
@@ -15,5 +16,5 @@ __version__ = "0.1.0"
 __all__ = [
     "SWAN", "FALLBACKS", "WhitenConfig", "grad_norm", "whiten", "rescale", "swan_update",
     "load_preset", "list_presets", "param_groups", "tag_model", "classify", "Rule",
-    "SWANFactory",
+    "SWANFactory", "from_adamw",
 ]

@@ -15,6 +15,7 @@ whiten, apply; docs/engine.md).
 
 from __future__ import annotations
 
+import warnings
 from collections import Counter
 from typing import Any, Callable, Iterable, Sequence
 
@@ -26,6 +27,7 @@ from .adapter import Form, Member, adapter_for, name_bare_params, optimizer_buil
 from .collect import Collector, Holdings
 from .engine import MODES, Deferred, EngineMemo, StepContext, StepResult, run_step
 from .in_backward import InBackward, check_in_backward
+from .lr import MATRIX_RATIO, WARN_BELOW, from_adamw
 from .presets import OPTIMIZER_KEYS, load_preset
 from .records import Entry, Origin
 from .rules import FALLBACKS, check_group, check_scalars
@@ -60,9 +62,12 @@ def _as_groups(params: Iterable[Any] | nn.Module, include: list[str], exclude: l
     return params
 
 
-def _defaults(preset: str | None, explicit: dict[str, Any]) -> tuple[str | None, dict[str, Any]]:
+def _defaults(preset: str | None, explicit: dict[str, Any],
+              adamw_lr: float | str | None = None) -> tuple[str | None, dict[str, Any]]:
     """(the preset's name, the groups' defaults): the base values, the preset's, the explicit arguments
-    given (not None), checked."""
+    given (not None), with ``adamw_lr`` SWAN's lr, fallback_lr and weight decay converted from AdamW's
+    (:func:`swan_dist.from_adamw`), checked."""
+    converted = None if adamw_lr is None else _from_adamw_lr(preset, explicit, adamw_lr)
     defaults: dict[str, Any] = dict(_BASE)
     name = None
     if preset is not None:
@@ -70,11 +75,60 @@ def _defaults(preset: str | None, explicit: dict[str, Any]) -> tuple[str | None,
         name = p["name"]
         defaults.update(p["optimizer"])
     defaults.update({k: v for k, v in explicit.items() if v is not None})
+    if converted is not None:
+        defaults.update(converted)  # fallback_lr None (tied) over a preset's too
     if "lr" not in defaults:
-        raise ValueError("SWAN: lr is required when no preset is given")
+        raise ValueError("SWAN: lr is required when no preset is given (or adamw_lr=, a tuned AdamW's lr)")
     defaults["betas"] = _pair(defaults["betas"])
     check_group(defaults)
+    if converted is None:
+        _warn_adamw_sized(defaults)
     return name, defaults
+
+
+def _from_adamw_lr(preset: str | None, explicit: dict[str, Any], adamw_lr: float | str) -> dict[str, Any]:
+    """lr, fallback_lr (None: tied) and, where given, weight_decay from AdamW's lr (``"auto"``: the learning_rate
+    of the transformers Trainer building this optimizer) and AdamW's weight decay."""
+    for key in ("lr", "fallback_lr"):
+        if explicit.get(key) is not None:
+            raise ValueError(
+                f"swan_dist: adamw_lr={adamw_lr!r} and {key}={explicit[key]!r} were both given: adamw_lr is a tuned "
+                f"AdamW's lr, from which SWAN's lr and fallback_lr follow (swan_dist.from_adamw; "
+                f"docs/convergence.md#the-lr-convention); give adamw_lr or {key}, not both")
+    if adamw_lr == "auto":
+        from .integrations.huggingface import trainer_args
+
+        args = trainer_args()
+        if args is None:
+            raise ValueError("swan_dist: adamw_lr='auto' takes the learning_rate of the transformers Trainer that "
+                             "builds this optimizer (DeepSpeed's \"adamw_lr\": \"auto\" under the Trainer); none "
+                             "does here: give adamw_lr as a number")
+        adamw_lr = args.learning_rate
+    conv = from_adamw(adamw_lr, weight_decay=explicit.get("weight_decay"), preset=preset, alpha=explicit.get("alpha"))
+    return {"lr": conv["lr"], "fallback_lr": conv.get("fallback_lr"),
+            **({"weight_decay": conv["weight_decay"]} if "weight_decay" in conv else {})}
+
+
+def _adamw_group_decay(params: Iterable[Any]) -> list:
+    """With ``adamw_lr``, a param group's own ``weight_decay`` is AdamW's too (the Trainer's decay group):
+    converted as :func:`swan_dist.from_adamw` converts the argument's."""
+    return [{**g, "weight_decay": g["weight_decay"] / MATRIX_RATIO}
+            if isinstance(g, dict) and isinstance(g.get("weight_decay"), (int, float))
+            and not isinstance(g.get("weight_decay"), bool) else g for g in params]
+
+
+def _warn_adamw_sized(defaults: dict[str, Any]) -> None:
+    """Warn (rank 0, at construction) when SWAN's own lr puts the whitened matrices where only an AdamW lr
+    below 1e-4 would by the lr convention: most likely an AdamW lr given as SWAN's."""
+    lr, alpha = float(defaults["lr"]), float(defaults["alpha"])
+    if 0 < lr * alpha < WARN_BELOW and _rank0():
+        swan = from_adamw(lr, alpha=alpha, preset=None)
+        got = f"lr {swan['lr']:.3g}" + (f", fallback_lr {swan['fallback_lr']:.3g}" if "fallback_lr" in swan else "")
+        warnings.warn(
+            f"swan_dist: SWAN's lr={lr:g} puts the whitened matrices at lr x alpha = {lr * alpha:.3g} (alpha {alpha:g}), "
+            f"below {WARN_BELOW:g}, where the lr convention puts them only for an AdamW lr under 1e-4. If {lr:g} is "
+            f"your AdamW lr, give SWAN(..., adamw_lr={lr:g}) or take swan_dist.from_adamw({lr:g}) ({got}; matrices "
+            f"at {lr * MATRIX_RATIO:.3g}): docs/convergence.md#the-lr-convention", UserWarning, stacklevel=4)
 
 
 def _pair(betas: Any) -> Any:
@@ -95,6 +149,15 @@ class SWAN(torch.optim.Optimizer):
             hyper-parameter below.
         lr: global learning rate; SWAN matrices use ``lr * alpha``, fallback parameters ``lr`` (or
             ``fallback_lr``: the fallback group's starting lr, set apart; schedulers scale it from there).
+            Coming from a tuned AdamW, give ``adamw_lr`` instead. Built with ``lr * alpha`` below 2e-5 (an
+            AdamW-sized ``lr``, under 4e-4 with alpha 0.05) SWAN warns once, naming ``adamw_lr``.
+        adamw_lr: a tuned AdamW's lr η, converted by the lr convention (:func:`swan_dist.from_adamw`;
+            docs/convergence.md, "The lr convention"): matrices at ``lr * alpha = 0.2 η``, the fallback at
+            ``4 η`` (with alpha 0.05: ``lr = 4 η``, the fallback tied). With it, ``weight_decay`` (the
+            argument's and param groups') is AdamW's too (SWAN applies 5x it; ``betas`` and ``eps`` carry over
+            as they are). ``"auto"``: the
+            ``learning_rate`` of the transformers Trainer building the optimizer. Giving ``lr`` or
+            ``fallback_lr`` as well raises ``ValueError`` naming both.
         preset: ``swan_0``, ``swan_dagger``, ``swan_ddagger`` (default) or a YAML path; ``None`` for
             no preset (then ``lr`` is required). Explicit arguments override the preset.
         alpha: scale on the lr of SWAN-managed matrices.
@@ -158,12 +221,15 @@ class SWAN(torch.optim.Optimizer):
         strict: bool = False,
         verbose: bool = True,
         split_fused: bool = True,
+        adamw_lr: float | str | None = None,
         step_in_backward: bool = False,
     ) -> None:
         self.preset, defaults = _defaults(preset, dict(
             lr=lr, alpha=alpha, whitening=whitening, ns_steps=ns_steps, beta=beta, grad_norm=grad_norm,
             whiten_dtype=whiten_dtype, weight_decay=weight_decay, fallback=fallback, betas=betas,
-            eps=eps, nonfinite=nonfinite, fallback_lr=fallback_lr, split_fused=split_fused))
+            eps=eps, nonfinite=nonfinite, fallback_lr=fallback_lr, split_fused=split_fused), adamw_lr)
+        if adamw_lr is not None and not isinstance(params, nn.Module):
+            params = _adamw_group_decay(params)
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) or not 0 < bucket_mb < float("inf"):

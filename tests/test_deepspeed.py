@@ -166,6 +166,36 @@ def test_json_errors_name_the_bad_key():
     assert bad[0][0] == "error" and "momentum" in bad[0][3]
 
 
+def _lr_worker(rank, world, params):
+    """The (use_swan, lr, alpha, weight_decay) of each param group of SWAN as DeepSpeed builds it from ``params``."""
+    import deepspeed
+
+    import swan_dist  # noqa: F401 - registers "SWAN"
+
+    config = {"train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 10**9, "zero_optimization": {"stage": 1},
+              "optimizer": {"type": "SWAN", "params": params}}
+    torch.manual_seed(0)
+    model = Net()
+    _, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    swan = optimizer if isinstance(optimizer, SWAN) else optimizer.optimizer
+    return [(g["use_swan"], g["lr"], g["alpha"], g["weight_decay"]) for g in swan.param_groups]
+
+
+def test_adamw_lr_in_the_json_resolves_as_swan_does():
+    """``"adamw_lr": eta`` in the JSON (with AdamW's weight decay) gives SWAN(adamw_lr=eta)'s matrix and fallback lr
+    (0.2 eta, 4 eta) and weight decay (5x); ``"lr"`` stays SWAN's own lr."""
+    eta, wd = 3e-4, 0.1
+    groups = run_distributed(_lr_worker, 1, {"preset": "swan_ddagger", "adamw_lr": eta, "weight_decay": wd},
+                             timeout=200)[0]
+    plain = SWAN(Net(), adamw_lr=eta, weight_decay=wd, verbose=False)
+    resolved = sorted((u, lr * a, lr, w) for u, lr, a, w in groups)  # fallback first: (matrix lr, lr, decay)
+    expected = sorted((g["use_swan"], g["lr"] * g["alpha"], g["lr"], g["weight_decay"]) for g in plain.param_groups)
+    assert len(resolved) == len(expected) and all(
+        r[0] == e[0] and r[1:] == pytest.approx(e[1:]) for r, e in zip(resolved, expected)), (resolved, expected)
+    assert len(resolved) == 2 and resolved[1][1] == pytest.approx(0.2 * eta) and resolved[0][2] == pytest.approx(4 * eta)
+    assert all(w == pytest.approx(5 * wd) for *_, w in resolved)
+
+
 @pytest.mark.parametrize("world,stage", [(1, 3), (4, 2), (4, 3), (8, 3)])
 def test_other_world_sizes_equal_single_process(world, stage):
     """W=1, and W=4 where ZeRO-2's flat partitions and ZeRO-3's per-parameter partitions (ceil(numel/4),

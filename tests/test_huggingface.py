@@ -330,3 +330,36 @@ def test_deepspeed_adapter_claims_only_its_partitions():
     assert one_to_one and [pc.target for pc in pieces] == copies
     with pytest.raises(ValueError, match=r"param group 0's 2 tensors .*'a', 'b'.* \[\[4, 3\], \[5, 3\]\]"):
         adopt([("a", None), ("b", None)], [torch.zeros(3, 4), torch.zeros(5, 3)], True, 0, None, [(4, 3), (5, 3)])
+
+
+def test_trainer_learning_rate_as_adamw_lr_resolves_as_swan_does(tmp_path):
+    """``adamw_lr="auto"`` takes the Trainer's ``learning_rate`` as AdamW's lr: through ``SWANFactory`` (with the
+    Trainer's weight decay, betas and eps) and through SWAN itself (the bare form, and DeepSpeed's ``"adamw_lr":
+    "auto"``, which SWAN resolves the same way, finding the Trainer up the stack); ``{"adamw_lr": eta}`` too. Each
+    gives SWAN(adamw_lr=eta)'s matrix and fallback lr: 0.2 eta and 4 eta."""
+    from transformers import Trainer, TrainingArguments
+
+    import swan_dist
+
+    eta, wd = 3e-4, 0.1
+
+    def lrs(opt):
+        swan = next(g for g in opt.param_groups if g["use_swan"])
+        rest = next(g for g in opt.param_groups if not g["use_swan"])
+        return swan["lr"] * swan["alpha"], rest["lr"]
+
+    def built(cls, kwargs):
+        args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, learning_rate=eta, weight_decay=wd,
+                                 adam_beta2=0.95, report_to=[])
+        return Trainer(model=_llama(), args=args, optimizer_cls_and_kwargs=(cls, {"verbose": False, **kwargs})
+                       ).create_optimizer()
+
+    plain = swan_dist.SWAN(_llama(), adamw_lr=eta, weight_decay=wd, verbose=False)
+    assert lrs(plain) == pytest.approx((0.2 * eta, 4 * eta))
+    factory = built(swan_dist.SWANFactory, {"adamw_lr": "auto"})
+    assert lrs(factory) == pytest.approx(lrs(plain))
+    assert all(g["weight_decay"] == pytest.approx(5 * wd) and g["betas"] == (0.9, 0.95) for g in factory.param_groups)
+    assert lrs(built(swan_dist.SWANFactory, {"adamw_lr": eta})) == pytest.approx(lrs(plain))
+    bare = built(swan_dist.SWAN, {"adamw_lr": "auto"})  # the Trainer's decay groups: AdamW's weight decay, converted
+    assert lrs(bare) == pytest.approx(lrs(plain))
+    assert sorted({round(g["weight_decay"], 9) for g in bare.param_groups}) == [0.0, 5 * wd]

@@ -198,3 +198,35 @@ def _submodule(rank, world):
     except ValueError as e:
         out["mixed"] = (type(e).__name__, str(e))
     return out
+
+
+# ---------------------------------------------------------------- one process: the AdamW lr in configure_optimizers
+def test_configure_optimizers_with_an_adamw_lr_resolves_as_swan_does():
+    """``configure_optimizers`` returning ``SWAN(self, adamw_lr=eta)``: after a Lightning step (one CPU process) the
+    matrices step at 0.2 eta and the fallback at 4 eta, as ``SWAN(module, adamw_lr=eta)`` and
+    ``swan_dist.from_adamw(eta)`` give (Lightning passes SWAN's lrs through untouched)."""
+    import lightning.pytorch as pl
+
+    import lightning_cases as lc
+    import swan_dist
+
+    eta = 3e-4
+
+    class Adamw(lc.Lit):
+        def configure_optimizers(self):
+            return swan_dist.SWAN(self, adamw_lr=eta, verbose=False)
+
+        def training_step(self, batch, batch_idx):
+            return self.loss(lc.global_batch(self.trainer.global_step, 1))
+
+    def lrs(opt):
+        swan = next(g for g in opt.param_groups if g["use_swan"])
+        rest = next(g for g in opt.param_groups if not g["use_swan"])
+        return swan["lr"] * swan["alpha"], rest["lr"]
+
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+    trainer.fit(Adamw())
+    got = lrs(lc.swan_of(trainer.optimizers[0]))
+    assert got == pytest.approx((0.2 * eta, 4 * eta))
+    assert got == pytest.approx(lrs(swan_dist.SWAN(lc.Lit(), verbose=False, **swan_dist.from_adamw(eta))))

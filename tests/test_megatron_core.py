@@ -283,3 +283,71 @@ def test_configurations_swan_cannot_serve_are_refused_on_every_rank():
     for errors in run_distributed(_refusal_worker, 2, timeout=120):
         assert errors.keys() == REFUSED.keys(), errors
         assert all(field in errors[field] and flag in errors[field] for field, flag in REFUSED.items()), errors
+
+
+def _from_adamw_worker(rank, world, eta, wd):
+    """SWAN's groups under Megatron's scheduler (no warm-up, cosine to min_lr = eta / 10, constant weight decay),
+    built from ``OptimizerConfig(lr=eta, weight_decay=wd)`` with ``from_adamw`` and without; and the refusal of an
+    alpha whose convention leaves the fallback apart from SWAN's lr."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    import megatron_harness as H
+    from swan_dist.integrations.megatron_factory import get_swan_optimizer
+
+    H.install_cpu_shims()
+    ps.initialize_model_parallel()
+    try:
+        out = {}
+        for adamw in (True, False):
+            chunks, _ = H.build_gpt(1, use_distributed_optimizer=True)
+            opt = get_swan_optimizer(OptimizerConfig(lr=eta, min_lr=eta / 10, weight_decay=wd,
+                                                     use_distributed_optimizer=True), chunks,
+                                     swan={"from_adamw": adamw, "verbose": False})
+            sched = OptimizerParamScheduler(opt, init_lr=0.0, max_lr=eta, min_lr=eta / 10, lr_warmup_steps=0,
+                                            lr_decay_steps=4, lr_decay_style="cosine", start_wd=wd, end_wd=wd,
+                                            wd_incr_steps=4, wd_incr_style="constant")
+            swan = next(w.optimizer for w in opt.chained_optimizers if w.optimizer is not None)
+            rows = []
+            for _ in range(2):  # at the start (max_lr) and after the decay (min_lr)
+                rows.append(sorted({(g["use_swan"], g["lr"] * (g["alpha"] if g["use_swan"] else 1.0), g["weight_decay"])
+                                    for g in swan.param_groups if g["params"] and g["wd_mult"] > 0}))
+                sched.step(4)
+            out[adamw] = rows
+        chunks, _ = H.build_gpt(1, use_distributed_optimizer=True)
+        try:
+            get_swan_optimizer(OptimizerConfig(lr=eta, use_distributed_optimizer=True), chunks,
+                               swan={"from_adamw": True, "preset": "swan_0", "verbose": False})
+            out["swan_0"] = None
+        except ValueError as e:
+            out["swan_0"] = str(e)
+        return out
+    finally:
+        ps.destroy_model_parallel()
+
+
+def test_from_adamw_converts_megatrons_lr_schedule_and_weight_decay():
+    """``swan={"from_adamw": True}`` (Megatron-LM: ``--swan-from-adamw``): ``config.lr`` (``--lr``), ``min_lr`` and
+    ``weight_decay`` are AdamW's; Megatron's scheduler then writes SWAN(adamw_lr=eta)'s matrix and fallback lr into
+    the groups (0.2 eta and 4 eta at max_lr, a tenth at min_lr) and 5x the weight decay. Without it ``--lr`` is
+    SWAN's own lr. SWAN-0 (alpha 1: the fallback apart) is refused, naming the flag."""
+    from swan_dist.integrations.megatron_lm import add_arguments
+
+    eta, wd = 3e-4, 0.1
+    out = run_distributed(_from_adamw_worker, 1, eta, wd, timeout=200)[0]
+    for scale, row in zip((1.0, 0.1), out[True]):
+        assert [u for u, _, _ in row] == [False, True], row
+        assert [lr for _, lr, _ in row] == pytest.approx([4 * eta * scale, 0.2 * eta * scale]), row
+        assert [w for _, _, w in row] == pytest.approx([5 * wd, 5 * wd]), row
+    for converted, own in zip(out[True], out[False]):  # SWAN's own --lr: 4x lower lrs, the decay as given
+        assert [lr / 4 for _, lr, _ in converted] == pytest.approx([lr for _, lr, _ in own])
+        assert [w for _, _, w in own] == pytest.approx([wd, wd])
+    assert "--swan-from-adamw" in out["swan_0"] and "fallback" in out["swan_0"], out["swan_0"]
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--optimizer", choices=["adam", "sgd"])
+    add_arguments(parser)
+    assert parser.parse_args(["--optimizer", "swan", "--swan-from-adamw"]).swan_from_adamw is True
+    assert parser.parse_args([]).swan_from_adamw is False

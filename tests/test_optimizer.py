@@ -405,3 +405,64 @@ def test_local_stacks_cut_at_the_cpu_batch_bound_give_the_same_step(monkeypatch,
     assert opt.whitened_matrices == 5
     for p, p0 in zip(model.parameters(), before):
         torch.testing.assert_close(p.detach(), p0 - 0.1 * swan_update(p.grad)[0], atol=1e-6, rtol=0)
+
+
+# ---------------------------------------------------------------- the lr convention (swan_dist.from_adamw)
+def _lrs(opt):
+    """(matrices' lr, lr x alpha; the fallback's lr) of a SWAN's first SWAN and first fallback group."""
+    swan = next(g for g in opt.param_groups if g["use_swan"])
+    rest = next(g for g in opt.param_groups if not g["use_swan"])
+    return swan["lr"] * swan["alpha"], rest["lr"]
+
+
+def test_from_adamw_gives_the_lr_convention():
+    """Matrices at lr x alpha = 0.2 eta, the fallback at 4 eta (tied to lr at alpha 0.05), weight decay 5x AdamW's
+    (the matrices then decay by AdamW's factor 1 - eta lambda per step), betas and eps as given."""
+    eta = 3e-4
+    got = swan_dist.from_adamw(eta, betas=[0.9, 0.95], weight_decay=0.1, eps=1e-10)
+    assert got.keys() == {"preset", "lr", "betas", "eps", "weight_decay"} and got["preset"] == "swan_ddagger"
+    assert got["lr"] == pytest.approx(4 * eta) and got["betas"] == (0.9, 0.95) and got["eps"] == 1e-10
+    assert got["lr"] * 0.05 * got["weight_decay"] == pytest.approx(eta * 0.1)
+    assert swan_dist.from_adamw(eta, preset="swan_dagger")["lr"] == pytest.approx(4 * eta)
+    zero = swan_dist.from_adamw(eta, preset="swan_0")  # alpha 1: the fallback set apart
+    assert zero["lr"] == pytest.approx(0.2 * eta) and zero["fallback_lr"] == pytest.approx(4 * eta)
+    assert swan_dist.from_adamw(eta) == {"preset": "swan_ddagger", "lr": pytest.approx(4 * eta)}
+    for bad, err in ((0.0, ValueError), (float("inf"), ValueError), ("3e-4", TypeError)):
+        with pytest.raises(err, match="adamw_lr"):
+            swan_dist.from_adamw(bad)
+
+
+def test_adamw_lr_resolves_like_from_adamw_and_conflicts_name_both_keys():
+    eta, wd = 3e-4, 0.1
+    for preset in ("swan_ddagger", "swan_0"):
+        a = SWAN(Toy(), adamw_lr=eta, weight_decay=wd, preset=preset, verbose=False)
+        b = SWAN(Toy(), verbose=False, **swan_dist.from_adamw(eta, weight_decay=wd, preset=preset))
+        assert _lrs(a) == pytest.approx((0.2 * eta, 4 * eta)) and _lrs(b) == pytest.approx(_lrs(a)), preset
+        assert all(g["weight_decay"] == pytest.approx(5 * wd) for g in a.param_groups + b.param_groups)
+    for key in ("lr", "fallback_lr"):
+        with pytest.raises(ValueError, match=f"adamw_lr=0.0003 and {key}=0.01"):
+            SWAN(Toy(), adamw_lr=eta, verbose=False, **{key: 0.01})
+    with pytest.raises(ValueError, match="adamw_lr='auto'.*Trainer"):
+        SWAN(Toy(), adamw_lr="auto", verbose=False)
+
+
+def test_an_adamw_sized_lr_warns_once_naming_the_fix():
+    """lr x alpha below 2e-5 (an AdamW lr given as SWAN's) warns once, at construction, naming adamw_lr=; the
+    preset's lr, adamw_lr=, lr 0 and SWAN-0's lr (alpha 1) do not."""
+    import warnings
+
+    with pytest.warns(UserWarning, match=r"adamw_lr=0\.0003.*from_adamw\(0\.0003\).*lr 0\.0012") as caught:
+        opt = SWAN(Toy(), lr=3e-4, verbose=False)
+        for g in opt.param_groups:
+            for p in g["params"]:
+                p.grad = torch.ones_like(p)
+        opt.step()
+        opt.step()
+    assert len([w for w in caught if "lr convention" in str(w.message)]) == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        SWAN(Toy(), verbose=False)
+        SWAN(Toy(), lr=4e-4, verbose=False)
+        SWAN(Toy(), adamw_lr=5e-5, verbose=False)
+        SWAN(Toy(), lr=0.0, verbose=False)
+        SWAN(Toy(), lr=3e-4, preset="swan_0", verbose=False)

@@ -170,6 +170,33 @@ def test_one_entry_selects_swan_and_refuses_what_it_cannot_follow():
             model_parts=_parts())
 
 
+def test_config_without_lr_converts_torchtitans_adamw_and_an_adamw_lr_resolves_as_swan_does():
+    """``Config()`` resolves through the lr convention from torchtitan's own AdamW (``default_adamw``: lr 8e-4, betas
+    (0.9, 0.95), eps 1e-8, weight decay 0.1): matrices at 0.2 x 8e-4, the fallback at 4 x 8e-4, weight decay 0.5;
+    ``adamw_lr`` (and ``swan_config(lr)``, ``default_adamw``'s counterpart) gives ``SWAN(adamw_lr=...)``'s lrs."""
+    from torchtitan.components.optimizer import default_adamw
+    from swan_dist import SWAN
+    from swan_dist.integrations.torchtitan import SwanOptimizersContainer, swan_config
+
+    def lrs(opt):
+        swan = next(g for g in opt.param_groups if g["use_swan"])
+        rest = next(g for g in opt.param_groups if not g["use_swan"])
+        return (swan["lr"] * swan["alpha"], rest["lr"], swan["weight_decay"], rest["weight_decay"], *rest["betas"],
+                rest["eps"])
+
+    titan = default_adamw().param_groups[0].optimizer_kwargs
+    assert (titan["lr"], tuple(titan["betas"]), titan["eps"], titan["weight_decay"]) == (8e-4, (0.9, 0.95), 1e-8, 0.1)
+    got = lrs(SwanOptimizersContainer.Config().build(model_parts=_parts()).swan)
+    assert got == pytest.approx((0.2 * 8e-4, 4 * 8e-4, 0.5, 0.5, 0.9, 0.95, 1e-8))
+    eta = 3e-4
+    plain = lrs(SWAN(_parts()[0], adamw_lr=eta, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8, verbose=False))
+    for config in (SwanOptimizersContainer.Config(adamw_lr=eta), swan_config(eta)):
+        assert lrs(config.build(model_parts=_parts()).swan) == pytest.approx(plain)
+    assert plain[:2] == pytest.approx((0.2 * eta, 4 * eta))
+    with pytest.raises(ValueError, match="adamw_lr=0.0003 and lr=0.01"):
+        SwanOptimizersContainer.Config(adamw_lr=eta, lr=0.01).build(model_parts=_parts())
+
+
 def test_init_optim_state_step_is_harmless_and_state_round_trips():
     from torchtitan.components.optimizer.utils import init_optim_state
     from swan_dist.integrations.torchtitan import SwanOptimizersContainer
