@@ -213,6 +213,7 @@ class SWAN(torch.optim.Optimizer):
         eps: float | None = None,
         nonfinite: str | None = None,
         fallback_lr: float | None = None,
+        adamw_lr: float | str | None = None,
         include: Sequence[str] | None = None,
         exclude: Sequence[str] | None = None,
         mode: str = "auto",
@@ -221,7 +222,6 @@ class SWAN(torch.optim.Optimizer):
         strict: bool = False,
         verbose: bool = True,
         split_fused: bool = True,
-        adamw_lr: float | str | None = None,
         step_in_backward: bool = False,
     ) -> None:
         self.preset, defaults = _defaults(preset, dict(
