@@ -34,7 +34,7 @@ import torch
 from torch import Tensor, nn
 
 from .layout import ROW_MAJOR, Layout
-from .functional import is_fake
+from .collectives import is_fake
 
 __all__ = ["Adapter", "Form", "Member", "Piece", "StateSlot", "adapter_for", "members_of", "adopt", "prepare_model",
            "form_of", "flat_piece",

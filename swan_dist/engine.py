@@ -86,15 +86,18 @@ class Report:
     blocking, whether the copy landed; :meth:`resolve` reads it (waiting if asked before) and, only where
     a count is not zero, reads which parameters and warns as the step would have."""
 
-    def __init__(self, counts: Tensor, named: list[tuple[str, str]], codes: Tensor, missed: Missed) -> None:
+    def __init__(self, counts: Tensor, named: list[tuple[str, str]], codes: Tensor, missed: Missed,
+                 now: bool = False) -> None:
+        self.named, self.codes, self.missed, self.event = named, codes, missed, None
+        if now:  # read at once: resolve() waits for the device (a host read)
+            self.host = counts
+            return
         self.host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=counts.is_cuda)
         self.host._swan_host_copy = True  # read on the host once the copy landed: no device wait
         self.host.copy_(counts, non_blocking=counts.is_cuda)
-        self.event = None
         if counts.is_cuda:
             self.event = torch.cuda.Event()
             self.event.record()
-        self.named, self.codes, self.missed = named, codes, missed
 
     def ready(self) -> bool:
         return self.event is None or self.event.query()
@@ -176,10 +179,11 @@ def _run(entries: list[Entry], ctx: StepContext, memo: EngineMemo, groups: Seque
     if ctx.world == 1:
         if late.error is not None:
             raise late.error
-        report = Report(counts, named, agreed.codes, missed)
-        if any(mode == "raise" for _, mode in named):  # that option's price: one read per step
-            return StepResult(whitened, *report.resolve(), None)
-        return StepResult(whitened, (), (), None, report)
+        if is_fake(counts):  # a trace (FakeTensorMode): no values to report
+            return StepResult(whitened, (), (), None)
+        now = any(mode == "raise" for _, mode in named)  # that option's price: one read per step
+        report = Report(counts, named, agreed.codes, missed, now)
+        return StepResult(whitened, *report.resolve(), None) if now else StepResult(whitened, (), (), None, report)
     return _close(ctx, memo, late.error, agreed, counts, named, missed, whitened)
 
 

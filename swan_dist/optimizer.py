@@ -168,8 +168,11 @@ class SWAN(torch.optim.Optimizer):
         fallback: rule for parameters SWAN does not whiten: ``adamw`` | ``sign`` | ``sgd``.
         betas, eps: of the ``adamw`` fallback.
         nonfinite: ``skip`` (a parameter whose gradient has NaN/Inf is left untouched this step,
-            fallback state included, and a warning names it) or ``raise`` (``FloatingPointError``
-            naming the parameters, raised before anything is modified).
+            fallback state included, and a warning names it), ``skip_step`` (the whole step is left out on
+            every rank, as GradScaler and DeepSpeed skip a step: no parameter or state moves) or ``raise``
+            (``FloatingPointError`` naming the parameters; nothing is updated). Decided on the device: in
+            one process the warning and :attr:`nonfinite_skips` follow once the step's counts reach the host
+            (at once on the CPU; :meth:`poll_reports` waits for them); ``raise`` reads them every step.
         include, exclude: regular expressions on parameter names forcing SWAN / the fallback.
         mode: where matrices are whitened when ``torch.distributed`` runs with world size > 1:
             ``owner`` (w/ MP: each matrix once, on one rank; the default, ``auto``), ``replicated``
@@ -242,7 +245,8 @@ class SWAN(torch.optim.Optimizer):
         self._origin: list[list[Origin]] = []  # per group: the (name, parameter) it was given, held weakly
         self._packed: dict[Tensor, tuple[bool, ...]] = {}  # a tensor packing several parameters -> use_swan each
         self._collector = Collector()  # pieces kept for reuse and the records, from step to step
-        self.nonfinite_skips: Counter[str] = Counter()
+        self.nonfinite_skips: Counter[str] = Counter()  # complete once poll_reports(wait=True) returned
+        self._reports: list = []  # one-process steps whose counts are on their way to the host
         self.whitened_matrices = 0  # matrices whitened so far (SWAN work done, for accounting)
         super().__init__(_as_groups(params, self._include, self._exclude), defaults)
         optimizer_built(self)
@@ -417,7 +421,20 @@ class SWAN(torch.optim.Optimizer):
         self.nonfinite_skips.update(result.skipped + result.nonfinite)
         if result.failure is not None:
             raise result.failure
+        if result.report is not None:
+            self.__dict__.setdefault("_reports", []).append(result.report)
+        self.poll_reports()
         return result
+
+    def poll_reports(self, wait: bool = False) -> None:
+        """In one process, what steps skipped for non-finite values is counted on the device and copied to
+        the host without waiting: each step looks at the copies that landed (on the CPU, its own at once),
+        warns and adds to :attr:`nonfinite_skips`; ``wait=True`` waits for every copy (a host read)."""
+        reports = self.__dict__.setdefault("_reports", [])
+        while reports and (wait or reports[0].ready()):
+            skipped, nonfinite = reports.pop(0).resolve()
+            self.nonfinite_skips.update(skipped + nonfinite)
+
 
     def _memo(self, key: object) -> EngineMemo:
         if key not in self._memos:

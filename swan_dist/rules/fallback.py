@@ -14,6 +14,7 @@ import inspect
 
 import torch
 from torch import Tensor
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.optim.adam import adam as _adam
 
 # torch's functional AdamW: ``adam(..., decoupled_weight_decay=True)`` from torch 2.7 (whose ``adamw``
@@ -69,11 +70,12 @@ def _fusable(targets: list[Tensor], grads: list[Tensor], *states: list[Tensor]) 
     """torch's fused AdamW takes these: plain contiguous tensors of one floating dtype on one device,
     gradients and moments of that dtype, fp32 step counters on that device."""
     t0 = targets[0]
-    if type(t0) not in PLAIN or t0.dtype not in _FUSED_DTYPES:
+    plain = PLAIN + (FakeTensor,)  # a trace (FakeTensorMode) runs the kernel the real step runs
+    if type(t0) not in plain or t0.dtype not in _FUSED_DTYPES:
         return False
     dtype, dev = t0.dtype, t0.device
     for t, g, m, v, s in zip(targets, grads, *states):
-        if (type(g) not in PLAIN or g.dtype != dtype or m.dtype != dtype or v.dtype != dtype
+        if (type(g) not in plain or g.dtype != dtype or m.dtype != dtype or v.dtype != dtype
                 or not isinstance(s, Tensor) or s.device != dev or s.dtype != torch.float32 or g.device != dev
                 or not (t.is_contiguous() and g.is_contiguous() and m.is_contiguous() and v.is_contiguous())):
             return False
@@ -93,7 +95,7 @@ def _adamw(state: dict, group: dict, pieces: list[Piece], skip: Tensor | None) -
         targets, grads, m, v = local_of(kind[0].target, [pc.target for pc in kind],
                                         [pc.target_grad for pc in kind], m, v)
         st = list(st)
-        if type(targets[0]) in PLAIN and type(grads[0]) in PLAIN:
+        if type(targets[0]) in PLAIN + (FakeTensor,) and type(grads[0]) in PLAIN + (FakeTensor,):
             grads = [g if g.dtype == t.dtype and g.is_contiguous() else g.to(t.dtype).contiguous()
                      for t, g in zip(targets, grads)]
         kw = dict(amsgrad=False, beta1=b1, beta2=b2, lr=float(group["lr"]),
