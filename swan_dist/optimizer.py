@@ -33,7 +33,7 @@ from .records import Entry, Origin
 from .rules import FALLBACKS, check_group, check_scalars
 from .selection import Rule, classify, param_groups, tag_model, tagged_form, tagged_name
 from .state import export_states, import_states, zero_states
-from .summary import SummaryRow, summary_text, warn_unnamed
+from .summary import SummaryRow, log_info, summary_text, warn_unnamed
 
 __all__ = ["SWAN", "FALLBACKS"]
 
@@ -159,7 +159,11 @@ class SWAN(torch.optim.Optimizer):
             ``learning_rate`` of the transformers Trainer building the optimizer. Giving ``lr`` or
             ``fallback_lr`` as well raises ``ValueError`` naming both.
         preset: ``swan_0``, ``swan_dagger``, ``swan_ddagger`` (default) or a YAML path; ``None`` for
-            no preset (then ``lr`` is required). Explicit arguments override the preset.
+            no preset: then ``lr`` is required and every other value is the base one, which is none of the
+            paper's variants: SWAN‡'s whitening (``nsds``, 2 steps, β 0.4, ``whiten_dtype="auto"``,
+            ``grad_norm="rms"``) with SWAN-0's ``alpha=1`` (matrices at ``lr`` itself), ``weight_decay=0``,
+            the ``adamw`` fallback with betas (0.9, 0.999) and eps 1e-8, ``nonfinite="skip"``; no
+            schedule. Explicit arguments override the preset.
         alpha: scale on the lr of SWAN-managed matrices.
         whitening: ``nsds`` | ``ns`` | ``none``; ``ns_steps`` and ``beta`` as in the paper's Alg. 2.
         grad_norm: ``rms`` (paper eq. 1) | ``mean`` (mean-centred) | ``none``.
@@ -189,7 +193,8 @@ class SWAN(torch.optim.Optimizer):
             per MoE expert too; Megatron's ``linear_qkv``/``linear_fc1``) as its separate matrices
             (``True``, the default) or whole (``False``); also a param-group option. Orientation (a weight
             stored ``(in, out)`` is whitened as its transpose) does not depend on it.
-        verbose: print the start-up summary (rank 0 only).
+        verbose: log the start-up summary (rank 0 only) at INFO on the ``swan_dist`` logger; where logging
+            was never configured (no handler anywhere), it is printed to stdout.
         step_in_backward: update each matrix and each fallback tensor during backward, as soon as its
             gradient is ready, and free that gradient (the paper's per-layer update: a step never holds
             every gradient). Updates happen in a backward between ``zero_grad()`` and ``step()``; ``step()``
@@ -257,7 +262,7 @@ class SWAN(torch.optim.Optimizer):
             self._in_backward = InBackward(self, units)
         warn_unnamed(self._rows, strict)
         if verbose and _rank0():
-            print(self.summary(), flush=True)
+            log_info(self.summary())  # the "swan_dist" logger, or stdout where logging is not configured
 
     # torch's Optimizer pickles only defaults/state/param_groups; keep our settings too. The plan is
     # rebuilt on the next step; a process group cannot be copied (a copy uses the default group
@@ -364,7 +369,16 @@ class SWAN(torch.optim.Optimizer):
         zero_states(self.state, self.param_groups, self._packed)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """torch's, then each tensor's state back from its framework's layout (:func:`.state.import_states`)."""
+        """torch's, then each tensor's state back from its framework's layout (:func:`.state.import_states`).
+
+        Also takes the state dict of a torch ``AdamW`` (or ``Adam``) over the same parameters, to switch a
+        run to SWAN: the fallback parameters keep their moments (``exp_avg``, ``exp_avg_sq``, ``step``), the
+        matrices SWAN whitens drop theirs, and the param groups keep SWAN's hyper-parameters
+        (:func:`swan_dist.state_from_adamw`, which says how parameters are matched)."""
+        from .switch import is_adamw_state_dict, state_from_adamw
+
+        if is_adamw_state_dict(state_dict):
+            state_dict = state_from_adamw(self, state_dict)
         super().load_state_dict(state_dict)
         import_states(self.state, self.param_groups, self._packed)
 

@@ -1,8 +1,10 @@
-"""The start-up summary: which parameters SWAN whitens and which get the fallback rule, and why; and
-the warning (or, with ``strict``, the error) where SWAN would whiten what it cannot name."""
+"""The start-up summary: which parameters SWAN whitens and which get the fallback rule, and why; the
+warning (or, with ``strict``, the error) where SWAN would whiten what it cannot name; and :func:`log_info`,
+which writes the summary (and other one-off notices) to the ``swan_dist`` logger."""
 
 from __future__ import annotations
 
+import logging
 import warnings
 from collections import Counter, defaultdict
 from typing import NamedTuple
@@ -14,7 +16,26 @@ from .functional import resolve_dtype
 from .rules import whiten_config
 from .selection import Rule, collapse_name
 
-__all__ = ["SummaryRow", "summary_text", "warn_unnamed"]
+__all__ = ["LOGGER", "SummaryRow", "log_info", "summary_text", "warn_unnamed"]
+
+# The package's logger. Its level starts at INFO (unless set before swan_dist was imported), so the
+# start-up summary shows where a program configured logging at WARNING (``logging.basicConfig()``) as it
+# did when it was printed; ``logging.getLogger("swan_dist").setLevel(logging.WARNING)`` silences it.
+LOGGER = logging.getLogger("swan_dist")
+if LOGGER.level == logging.NOTSET:
+    LOGGER.setLevel(logging.INFO)
+
+
+def log_info(text: str) -> None:
+    """``text`` at INFO on the ``swan_dist`` logger; where no handler would receive it (a program that never
+    configured logging: no handler on the logger, its parents or the root), printed to stdout instead, as
+    the start-up summary always was."""
+    if not LOGGER.isEnabledFor(logging.INFO):
+        return
+    if LOGGER.hasHandlers():
+        LOGGER.info(text)
+    else:
+        print(text, flush=True)
 
 
 class SummaryRow(NamedTuple):

@@ -2,7 +2,10 @@
 torch optimizer conventions, bad input, presets, and short runs in which the loss falls."""
 
 import copy
+import logging
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -43,14 +46,17 @@ def _rules(opt):
     return {name: rule_name for name, _, rule_name, _ in opt._rows}
 
 
-def test_default_selection_by_module_type_and_summary(capsys):
+def test_default_selection_by_module_type_and_summary(caplog):
     model = Toy(tie=True)
-    opt = SWAN(model, lr=0.01)
+    with caplog.at_level(logging.INFO, logger="swan_dist"):
+        opt = SWAN(model, lr=0.01)
     rules = _rules(opt)
     assert rules["layers.0.up.weight"] == "SWAN" and rules["layers.1.down.weight"] == "SWAN"
     for name in ["tok_embeddings.weight", "layers.0.up.bias", "layers.0.norm.weight"]:
         assert rules[name] == "fallback:adamw", name
-    out = capsys.readouterr().out
+    (record,) = [r for r in caplog.records if r.name == "swan_dist"]  # the summary: one INFO record
+    assert record.levelno == logging.INFO and record.getMessage() == opt.summary()
+    out = record.getMessage()
     assert "4 matrices whitened by SWAN" in out and "layers.*.up.weight" in out
     # the tied weight appears once, on the fallback rule, and the summary says what it is tied to
     row = [line for line in out.splitlines() if "tok_embeddings.weight" in line]
@@ -60,6 +66,33 @@ def test_default_selection_by_module_type_and_summary(capsys):
     untied = SWAN(Toy(tie=False), lr=0.01, verbose=False)
     assert _rules(untied)["output.weight"] == "fallback:adamw" and "tied" not in untied.summary()
     assert [g["use_swan"] for g in opt.param_groups] == [True, False]
+
+
+SUMMARY_PROBE = """
+import logging, sys
+from torch import nn
+import swan_dist
+case = sys.argv[1]
+if case == "basic":
+    logging.basicConfig()  # the root at WARNING, a handler on stderr
+elif case == "quiet":
+    logging.getLogger("swan_dist").setLevel(logging.WARNING)
+swan_dist.SWAN(nn.Sequential(nn.Embedding(8, 4), nn.Linear(4, 4)), lr=0.01, verbose=case != "off")
+"""
+
+
+@pytest.mark.timeout(120)
+def test_summary_goes_to_logging_and_to_stdout_where_logging_is_not_configured():
+    """Logging never configured: printed to stdout (as before it used logging); ``logging.basicConfig()``
+    at its default WARNING: on the root's handler (stderr) at INFO; the ``swan_dist`` logger set to WARNING,
+    or ``verbose=False``: nothing."""
+    head = "swan_dist.SWAN (preset=swan_ddagger): 1 matrices whitened by SWAN"
+    out = {case: subprocess.run([sys.executable, "-c", SUMMARY_PROBE, case], capture_output=True, text=True,
+                                timeout=100, check=True) for case in ("plain", "basic", "quiet", "off")}
+    assert out["plain"].stdout.startswith(head) and head not in out["plain"].stderr
+    assert out["basic"].stderr.startswith(f"INFO:swan_dist:{head}") and head not in out["basic"].stdout
+    for case in ("quiet", "off"):
+        assert head not in out[case].stdout + out[case].stderr, case
 
 
 def test_selection_by_name_include_exclude_groups_and_bare_tensors():

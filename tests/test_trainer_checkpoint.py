@@ -2,6 +2,7 @@
 a torchrun restart after a rank is SIGKILLed, each ending with the uninterrupted run's weights."""
 
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -192,3 +193,74 @@ def test_step_in_backward_resumes_bit_identically_and_refuses_clipping(tmp_path)
                        ("optimizer=adamw", "optimizer='adamw'")]:
         with pytest.raises(ValueError, match=words):
             load_config(SMOKE, ["optimizer=swan", "step_in_backward=true", "grad_clip=0", bad])
+
+
+class _RunsCode:
+    """Unpickling this calls ``Path.touch(marker)``: what a crafted checkpoint could do with any callable."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+@pytest.mark.timeout(30)
+def test_rank_file_is_read_with_weights_only_and_a_file_that_would_run_code_is_refused(tmp_path):
+    import pickle
+
+    from swan_dist.reference import checkpoint
+
+    marker = tmp_path / "ran"
+    torch.save({"scheduler": {"base_lrs": [0.1]}, "loss_steps": 2, "x": _RunsCode(marker)}, tmp_path / "rank_0.pt")
+    with pytest.raises(pickle.UnpicklingError, match="rank_0.pt: refused"):
+        checkpoint.read_rank_file(tmp_path / "rank_0.pt")
+    assert not marker.exists()
+    torch.load(tmp_path / "rank_0.pt", weights_only=False)  # the same file, unpickled without the guard, runs it
+    assert marker.exists()
+
+
+@pytest.mark.timeout(150)
+def test_swan_starts_from_an_adamw_checkpoint_with_init_from(tmp_path, caplog):
+    """An AdamW run's checkpoint (its rank file read with weights_only=True) starts a SWAN run
+    (``init_from``): the SWAN run's step 0 has the AdamW run's weights (the same validation loss) and its
+    loss keeps falling; resuming the AdamW checkpoint into a SWAN run is refused, naming init_from, as is
+    init_from inside an out_dir that resume=never clears."""
+    a, b = tmp_path / "adamw", tmp_path / "swan"
+    common = ["steps=6", "eval_every=3", "log_every=2", "save_model=true"]
+    sa = main(["--config", SMOKE, "--set", f"out_dir={a}", *common, "optimizer=adamw", "lr=3e-3", "checkpoint_every=6"])
+    step = a / "checkpoints" / "step_6"
+    rank = torch.load(step / "rank_0.pt", weights_only=True)
+    assert set(rank) == {"scheduler", "sampler", "torch_rng", "cuda_rng", "loss_sum", "loss_steps"}
+    assert json.loads((step / "meta.json").read_text())["optimizer"] == "adamw"
+    # SWAN's lr for AdamW's 3e-3: swan_dist.from_adamw(3e-3), 4x
+    with caplog.at_level(logging.INFO, logger="swan_dist"):
+        sb = main(["--config", SMOKE, "--set", f"out_dir={b}", *common, "optimizer=swan", "lr=0.012", f"init_from={a}"])
+    loaded = [r.getMessage() for r in caplog.records if "from an AdamW checkpoint" in r.getMessage()]
+    assert len(loaded) == 1 and "step of 7 fallback tensors; 14 tensors" in loaded[0], loaded  # 2 layers x 7 matrices
+    assert sb["initial_val_loss"] == sa["final_val_loss"]  # the AdamW run's weights
+    rows = _rows(b)
+    assert rows[0]["step"] == 0 and sb["final_val_loss"] < sb["initial_val_loss"] - 0.05, rows
+    with pytest.raises(ValueError, match="written with optimizer: adamw.*init_from="):
+        main(["--config", SMOKE, "--set", f"out_dir={a}", *common, "optimizer=swan"])
+    with pytest.raises(ValueError, match="resume=never deletes"):
+        main(["--config", SMOKE, "--set", f"out_dir={a}", *common, "optimizer=swan", "resume=never", f"init_from={step}"])
+    assert step.is_dir()
+    with pytest.raises(ValueError, match="init_from"):
+        load_config(SMOKE, ["init_from=auto"])
+    with pytest.raises(FileNotFoundError, match="config init_from=.*no complete checkpoint"):
+        main(["--config", SMOKE, "--set", f"out_dir={tmp_path / 'c'}", *common, f"init_from={tmp_path / 'none'}"])
+
+
+@pytest.mark.timeout(300)
+def test_init_from_a_one_process_adamw_checkpoint_under_fsdp2(tmp_path):
+    """init_from reshards: an AdamW checkpoint written in one process starts SWAN under FSDP2 at W=2 (torchrun):
+    its step 0 has the AdamW run's weights, and its loss falls."""
+    a, b = tmp_path / "adamw", tmp_path / "swan"
+    common = ["steps=4", "eval_every=4", "log_every=2"]
+    sa = main(["--config", SMOKE, "--set", f"out_dir={a}", *common, "optimizer=adamw", "lr=3e-3", "checkpoint_every=4"])
+    log = _torchrun(tmp_path, b, [*common, "optimizer=swan", "lr=0.012", "parallel=fsdp2", f"init_from={a}"])
+    assert "init_from" in log and "exp_avg, exp_avg_sq and step of 7 fallback tensors" in log, log[-3000:]
+    sb = json.loads((b / "summary.json").read_text())
+    assert sb["world_size"] == 2 and abs(sb["initial_val_loss"] - sa["final_val_loss"]) < 1e-4
+    assert sb["final_val_loss"] < sb["initial_val_loss"], sb

@@ -17,11 +17,6 @@ if TYPE_CHECKING:
     from .config import TrainConfig
 
 
-# Strategies under which every rank's optimizer sees whole matrices (Muon orthogonalises a whole matrix;
-# FSDP1/FSDP2/ZeRO hand it shards, and torch's Muon has no engine that gathers them as SWAN's does).
-MUON_PARALLEL = ("none", "ddp")
-
-
 def _decays(name: str, p: torch.Tensor) -> bool:
     """AdamW's weight-decay rule: matrices other than the token embedding decay; vectors never."""
     return p.ndim >= 2 and not name.startswith("tok_embeddings")

@@ -6,19 +6,24 @@ Layout (``out_dir/checkpoints/``)::
       dcp/             none/DDP/FSDP2/FSDP1: torch.distributed.checkpoint of {"model", "optim"}
       engine/          parallel: deepspeed: the engine's own save_checkpoint (tag "engine")
       rank_R.pt        per rank: LR scheduler, data position (the sampler's generator), torch CPU/CUDA
-                       RNG states, the train-loss accumulator since the last log row
-      meta.json        step, world size, strategy, tokens, clocks, metric rows so far
+                       RNG states, the train-loss accumulator since the last log row: tensors and plain
+                       Python values only, read back with ``torch.load(weights_only=True)``
+      meta.json        step, world size, strategy, optimizer, tokens, clocks, metric rows so far
     step_N.tmp/        being written (or left by a crash): ignored by resume, removed by the next save
 
 Every rank writes into ``step_N.tmp``; after a barrier (every rank finished) rank 0 writes
 ``meta.json`` and renames the folder to ``step_N`` (one ``rename``: atomic on a POSIX file system),
 then prunes to ``keep_checkpoints``.
+
+:func:`init_from` starts a new run from another run's checkpoint (``init_from:``): its model weights and,
+for SWAN, the AdamW moments of the fallback parameters (:func:`swan_dist.load_adamw_checkpoint`).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import pickle
 import re
 import shutil
 import warnings
@@ -84,12 +89,24 @@ def find(resume: str, out_dir: str) -> Path | None:
     return None if choice[0] is None else Path(choice[0])
 
 
-def read_meta(path: Path, parallel: str, world_size: int) -> dict[str, Any]:
-    """``meta.json`` of ``path``, checked against this run: the same strategy, and for DeepSpeed the
-    same world size (its ZeRO checkpoints load only at the world size that wrote them)."""
+def _meta(path: Path) -> dict[str, Any]:
     meta = json.loads((path / "meta.json").read_text())
     if meta.get("format") != FORMAT:
         raise ValueError(f"{path}: checkpoint format {meta.get('format')!r}, this trainer reads {FORMAT}")
+    return meta
+
+
+def read_meta(path: Path, parallel: str, world_size: int, optimizer: str | None = None) -> dict[str, Any]:
+    """``meta.json`` of ``path``, checked against this run: the same strategy, the same optimizer (where
+    the checkpoint names it), and for DeepSpeed the same world size (its ZeRO checkpoints load only at the
+    world size that wrote them)."""
+    meta = _meta(path)
+    written = meta.get("optimizer")  # absent in checkpoints written before it was recorded
+    if optimizer is not None and written is not None and written != optimizer:
+        raise ValueError(
+            f"{path} was written with optimizer: {written}; this run has optimizer: {optimizer}. Resuming continues "
+            f"a run with its own optimizer; to go on from it with {optimizer}, start a new run from it: "
+            f"init_from={path} in another out_dir (docs/launch.md, \"From AdamW to SWAN\")")
     if meta["parallel"] != parallel:
         raise ValueError(f"{path} was written with parallel: {meta['parallel']}; this run has parallel: {parallel}")
     if parallel == "deepspeed" and meta["world_size"] != world_size:
@@ -188,7 +205,7 @@ def load(
     and RNG states; returns this rank's extra state (``rank_state`` given to :func:`save`), or None
     when the world size changed (then the scheduler comes from rank 0's file and each rank's data
     stream restarts from a generator seeded with (seed, rank, step): a new stream, as the ranks differ)."""
-    meta = json.loads((path / "meta.json").read_text())
+    meta = _meta(path)
     if deepspeed:
         load_path, _ = wrapped.load_checkpoint(str(path), tag="engine", load_optimizer_states=True,
                                                load_lr_scheduler_states=True)  # fmt: skip
@@ -205,7 +222,7 @@ def load(
             dcp.load(state, checkpoint_id=str(path / "dcp"), no_dist=not dist.is_initialized())
         set_state_dict(wrapped, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     same_world = meta["world_size"] == world_size
-    mine = torch.load(path / f"rank_{rank if same_world else 0}.pt", weights_only=False)
+    mine = read_rank_file(path / f"rank_{rank if same_world else 0}.pt")
     scheduler.load_state_dict(mine["scheduler"])
     if not same_world:
         sampler.rng = np.random.default_rng([seed, rank, meta["step"]])
@@ -215,3 +232,41 @@ def load(
     if mine["cuda_rng"] is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(mine["cuda_rng"])
     return {k: v for k, v in mine.items() if k not in ("scheduler", "sampler", "torch_rng", "cuda_rng")}
+
+
+def read_rank_file(path: Path) -> dict[str, Any]:
+    """A ``rank_R.pt``, read with ``torch.load(weights_only=True)``: tensors and plain Python values only (all
+    the trainer writes there, in every version), so a file that would run code when unpickled is refused."""
+    try:
+        return torch.load(path, weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise pickle.UnpicklingError(
+            f"{path}: refused: it holds more than tensors and plain Python values, which is not what the reference "
+            f"trainer writes, and loading it would run code (torch.load weights_only=True says: "
+            f"{str(e).splitlines()[0]})") from e
+
+
+def init_from(path: Path, *, wrapped: torch.nn.Module, optimizer: torch.optim.Optimizer, swan: bool) -> dict[str, Any]:
+    """Collective. A new run's start from ``path`` (a ``step_N`` written with parallel none, DDP, FSDP2 or
+    FSDP1, any world size, any optimizer): the model's weights, and with ``swan`` the moments of SWAN's
+    fallback parameters from the checkpoint's optimizer state (AdamW's, or SWAN's own; SWAN's matrices read
+    nothing). Another optimizer (AdamW, Muon) starts without state. Step, scheduler, data position and
+    metrics are not read: the run starts at step 0. Returns the checkpoint's meta."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    import swan_dist
+
+    meta = _meta(path)
+    if meta["parallel"] == "deepspeed":
+        raise ValueError(f"config init_from={path}: written by DeepSpeed (its engine's own format); init_from reads "
+                         "checkpoints written with parallel none, ddp, fsdp2 or fsdp1 (torch.distributed.checkpoint)")
+    no_dist = not dist.is_initialized()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        msd = get_model_state_dict(wrapped)
+        dcp.load({"model": msd}, checkpoint_id=str(path / "dcp"), no_dist=no_dist)
+        set_model_state_dict(wrapped, msd)
+        if swan:
+            swan_dist.load_adamw_checkpoint(wrapped, optimizer, str(path / "dcp"), key="optim", no_dist=no_dist)
+    return meta

@@ -1,9 +1,13 @@
 """The reference trainer's configuration: :class:`TrainConfig` (every key, its default, and the checks that
-reject a bad value naming the key), read from YAML with ``key=value`` overrides by :func:`load_config`."""
+reject a bad value naming the key), read from YAML with ``key=value`` overrides by :func:`load_config`; and
+the DeepSpeed JSON those keys complete (:func:`deepspeed_json`).
+
+Of the trainer's modules this one imports only :mod:`.model`: the others import it, never the reverse."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -12,9 +16,13 @@ from typing import Any
 
 import yaml
 
-from .baselines import MUON_PARALLEL
 from .model import model_config
-from .parallel import PARALLEL, deepspeed_json
+
+# The parallel strategies (:data:`.parallel.PARALLEL` wraps the model for each).
+STRATEGIES = ("none", "ddp", "fsdp2", "fsdp1", "deepspeed")
+# Strategies under which every rank's optimizer sees whole matrices (Muon orthogonalises a whole matrix;
+# FSDP1/FSDP2/ZeRO hand it shards, and torch's Muon has no engine that gathers them as SWAN's does).
+MUON_PARALLEL = ("none", "ddp")
 
 
 @dataclass
@@ -54,6 +62,7 @@ class TrainConfig:
     checkpoint_every: int = 0  # save out_dir/checkpoints/step_N every this many steps; 0: never
     keep_checkpoints: int = 2  # complete checkpoints kept (older ones are deleted); 0: keep all
     resume: str = "auto"  # auto: the latest complete checkpoint in out_dir, if any | never | a path
+    init_from: str | None = None  # a fresh start from another run's checkpoint (weights; AdamW moments for SWAN)
     dist_timeout_s: float = 300.0  # process-group timeout: a rank whose peers died fails within it
     time_optimizer: bool = False  # summary's optimizer_s exact on CUDA (synchronises around each step)
 
@@ -70,7 +79,7 @@ class TrainConfig:
             if value is not None:  # YAML reads "1e-3" (no dot) as a string
                 setattr(self, name, float(value))
         choices = {
-            "optimizer": ("swan", "adamw", "muon"), "parallel": tuple(PARALLEL), "backend": ("auto", "gloo", "nccl"),
+            "optimizer": ("swan", "adamw", "muon"), "parallel": STRATEGIES, "backend": ("auto", "gloo", "nccl"),
             "swan_mode": ("auto", "owner", "replicated", "local"),
             "device": ("auto", "cpu", "cuda"), "dtype": ("float32", "bfloat16"),
         }  # fmt: skip
@@ -88,6 +97,14 @@ class TrainConfig:
         self.resume = str(self.resume)
         if not self.resume:
             raise ValueError("config resume: auto, never, or a checkpoint path")
+        if self.init_from is not None:
+            self.init_from = str(self.init_from)
+            if self.init_from in ("", "auto", "never"):
+                raise ValueError(f"config init_from={self.init_from!r}: a checkpoint path (a step_N folder, a "
+                                 "checkpoints/ folder or an out_dir), or null")
+            if self.parallel == "deepspeed":
+                raise ValueError("config init_from reads a torch.distributed.checkpoint (parallel none, ddp, fsdp2 "
+                                 "or fsdp1); DeepSpeed's engine loads only its own checkpoints: use another parallel")
         if self.optimizer == "muon" and self.parallel not in MUON_PARALLEL:
             raise ValueError(f"config optimizer=muon (the torch.optim.Muon baseline) needs whole matrices on every "
                              f"rank: parallel={self.parallel!r} hands the optimizer shards (FSDP) or builds its own "
@@ -115,6 +132,47 @@ class TrainConfig:
         if self.grad_accum > 1 and self.parallel == "none":
             raise ValueError("config step_in_backward=true with grad_accum > 1 needs parallel=fsdp2 (one process "
                              "updates at every backward): set grad_accum=1, or step_in_backward=false")
+
+
+# Keys of the DeepSpeed JSON that the trainer's own config decides.
+_DS_FROM_TRAINER = {
+    "train_micro_batch_size_per_gpu": "batch_size", "gradient_accumulation_steps": "grad_accum",
+    "gradient_clipping": "grad_clip",
+}
+
+
+def deepspeed_json(cfg: TrainConfig) -> dict[str, Any]:
+    """The DeepSpeed config for ``cfg``: the JSON file, with batch size, accumulation, clipping and bf16
+    from the trainer's keys, and the optimizer block filled from the trainer's where the JSON leaves
+    keys out. A JSON value that contradicts the trainer's is an error naming both keys."""
+    path = Path(cfg.deepspeed_config)
+    if not path.exists():
+        raise ValueError(f"config deepspeed_config: {path} does not exist")
+    try:
+        ds = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"config deepspeed_config: {path} is not valid JSON: {e}") from None
+    for key, trainer_key in _DS_FROM_TRAINER.items():
+        if key in ds and ds[key] != getattr(cfg, trainer_key):
+            raise ValueError(f"{path}: {key}={ds[key]!r} contradicts the trainer's {trainer_key}={getattr(cfg, trainer_key)!r}")
+        ds[key] = getattr(cfg, trainer_key)
+    bf16 = ds.setdefault("bf16", {})
+    if bf16.setdefault("enabled", cfg.dtype == "bfloat16") != (cfg.dtype == "bfloat16"):
+        raise ValueError(f"{path}: bf16.enabled={bf16['enabled']!r} contradicts the trainer's dtype={cfg.dtype!r}")
+    opt = ds.setdefault("optimizer", {"type": "SWAN" if cfg.optimizer == "swan" else "AdamW"})
+    if str(opt.get("type", "")).lower() != cfg.optimizer:
+        raise ValueError(f"{path}: optimizer.type={opt.get('type')!r} but the trainer's optimizer={cfg.optimizer!r}")
+    params = opt.setdefault("params", {})
+    if cfg.optimizer == "swan":
+        filled = {"preset": cfg.preset, "lr": cfg.lr, "weight_decay": cfg.weight_decay, "fallback": cfg.fallback,
+                  "mode": cfg.swan_mode, "bucket_mb": cfg.bucket_mb, **cfg.swan_options}
+    else:
+        filled = {"lr": cfg.lr if cfg.lr is not None else 1e-3, "betas": [0.9, 0.95], "weight_decay": cfg.weight_decay}
+    for key, value in filled.items():
+        if value is not None:
+            params.setdefault(key, value)
+    ds.setdefault("steps_per_print", 10**9)
+    return ds
 
 
 def _set_key(tree: dict[str, Any], dotted: str, value: Any) -> None:

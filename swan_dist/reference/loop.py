@@ -110,9 +110,14 @@ def _resume_point(cfg: TrainConfig, env: DistEnv) -> tuple[Path | None, dict[str
     """The checkpoint to resume from and its meta (both None for a fresh start, which with ``resume:
     never`` first deletes the out_dir's checkpoints, so that a later ``resume: auto`` finds none of them)."""
     resume_from = checkpoint.find(cfg.resume, cfg.out_dir)
-    meta = checkpoint.read_meta(resume_from, cfg.parallel, env.world_size) if resume_from else None
+    meta = checkpoint.read_meta(resume_from, cfg.parallel, env.world_size, cfg.optimizer) if resume_from else None
     if meta is not None and meta["step"] > cfg.steps:
         raise ValueError(f"{resume_from} is at step {meta['step']}, past this run's steps={cfg.steps}")
+    if cfg.resume == "never" and cfg.init_from is not None:
+        inside, source = checkpoint.root(cfg.out_dir).resolve(), Path(cfg.init_from).resolve()
+        if source in (inside, inside.parent) or inside in source.parents:
+            raise ValueError(f"config init_from={cfg.init_from} lies in this run's out_dir={cfg.out_dir}, whose "
+                             "checkpoints resume=never deletes: give this run another out_dir")
     if cfg.resume == "never" and env.is_main:
         checkpoint.clear(cfg.out_dir)
     return resume_from, meta
@@ -153,6 +158,22 @@ def build_run(cfg: TrainConfig, env: DistEnv) -> Run:
         scheduler = build_scheduler(cfg, optimizer)
     sampler = WindowSampler(data.train, cfg.seq_len, cfg.batch_size, seed=cfg.seed, rank=env.rank)
     return Run(cfg, env, data, wrapped, owner, optimizer, scheduler, sampler, n_params, tokens_per_step)
+
+
+def _init_from(run: Run) -> None:
+    """``init_from``: the model's weights (and, for SWAN, the fallback parameters' AdamW moments) from
+    another run's checkpoint, before step 0."""
+    cfg, env = run.cfg, run.env
+    try:
+        path = checkpoint.find(cfg.init_from, cfg.out_dir)
+    except FileNotFoundError as e:
+        raise FileNotFoundError(str(e).replace("config resume=", "config init_from=", 1)) from None
+    meta = checkpoint.init_from(path, wrapped=run.wrapped, optimizer=run.optimizer, swan=cfg.optimizer == "swan")
+    if env.is_main:
+        kept = ("weights and the fallback parameters' AdamW moments (SWAN's matrices start without state)"
+                if cfg.optimizer == "swan" else "weights (the optimizer starts without state)")
+        print(f"init_from {path} (step {meta['step']}, optimizer {meta.get('optimizer', 'not recorded')}): {kept}; "
+              f"this run starts at step 0 with its own lr schedule", flush=True)
 
 
 def _fresh_start(run: Run) -> Progress:
@@ -201,7 +222,7 @@ def _save_checkpoint(run: Run, p: Progress, step: int, tokens: int) -> None:
         cfg.out_dir, step, cfg.keep_checkpoints, rank=env.rank, wrapped=run.wrapped, optimizer=run.optimizer,
         scheduler=run.scheduler, sampler=run.sampler, deepspeed=cfg.parallel == "deepspeed",
         rank_state={"loss_sum": p.loss_sum.detach().cpu(), "loss_steps": p.loss_steps},
-        meta={"world_size": env.world_size, "parallel": cfg.parallel, "tokens": tokens,
+        meta={"world_size": env.world_size, "parallel": cfg.parallel, "optimizer": cfg.optimizer, "tokens": tokens,
               "elapsed": time.perf_counter() - p.start, "eval_seconds": run.clock["eval_seconds"],
               "last_tokens": p.last_tokens, "last_time": p.last_time, "rows": p.log.rows,
               "whitened_matrices": None if whitened is None else whitened + p.whitened_offset},
@@ -280,6 +301,8 @@ def train(cfg: TrainConfig, env: DistEnv) -> dict[str, Any]:
     """Train (from the checkpoint ``cfg.resume`` finds, if any), write the outputs, and return the summary."""
     resume_from, meta = _resume_point(cfg, env)
     run = build_run(cfg, env)
+    if resume_from is None and cfg.init_from is not None:  # a resumed run continues from its own checkpoint
+        _init_from(run)
     progress = _fresh_start(run) if resume_from is None else _resume(run, resume_from, meta)
     _train_loop(run, progress)
     elapsed = time.perf_counter() - progress.start

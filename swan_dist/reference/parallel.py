@@ -1,27 +1,24 @@
 """The reference trainer's distributed setup: the process group and device (:func:`setup_distributed`),
 collectives that fall back to one process, and the parallel strategies that wrap the model
 (:func:`wrap_model`; DeepSpeed's engine is built with its optimizer, :func:`deepspeed_engine`).
-A new strategy is one more entry in :data:`PARALLEL`."""
+A new strategy is one more entry in :data:`PARALLEL` (and its name in :data:`.config.STRATEGIES`).
+The DeepSpeed JSON built from the trainer's keys is :func:`.config.deepspeed_json` (imported here too)."""
 
 from __future__ import annotations
 
 import datetime
-import json
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from .config import STRATEGIES, TrainConfig, deepspeed_json
 from .optim import build_scheduler
-
-if TYPE_CHECKING:
-    from .config import TrainConfig
 
 
 @dataclass
@@ -139,49 +136,11 @@ PARALLEL: dict[str, Callable[[nn.Module, TrainConfig, DistEnv], nn.Module]] = {
 }
 
 
+assert tuple(PARALLEL) == STRATEGIES, "a strategy is one entry here and one name in config.STRATEGIES"
+
+
 def wrap_model(model: nn.Module, cfg: TrainConfig, env: DistEnv) -> nn.Module:
     return PARALLEL[cfg.parallel](model, cfg, env)
-
-
-# Keys of the DeepSpeed JSON that the trainer's own config decides.
-_DS_FROM_TRAINER = {
-    "train_micro_batch_size_per_gpu": "batch_size", "gradient_accumulation_steps": "grad_accum",
-    "gradient_clipping": "grad_clip",
-}
-
-
-def deepspeed_json(cfg: TrainConfig) -> dict[str, Any]:
-    """The DeepSpeed config for ``cfg``: the JSON file, with batch size, accumulation, clipping and bf16
-    from the trainer's keys, and the optimizer block filled from the trainer's where the JSON leaves
-    keys out. A JSON value that contradicts the trainer's is an error naming both keys."""
-    path = Path(cfg.deepspeed_config)
-    if not path.exists():
-        raise ValueError(f"config deepspeed_config: {path} does not exist")
-    try:
-        ds = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"config deepspeed_config: {path} is not valid JSON: {e}") from None
-    for key, trainer_key in _DS_FROM_TRAINER.items():
-        if key in ds and ds[key] != getattr(cfg, trainer_key):
-            raise ValueError(f"{path}: {key}={ds[key]!r} contradicts the trainer's {trainer_key}={getattr(cfg, trainer_key)!r}")
-        ds[key] = getattr(cfg, trainer_key)
-    bf16 = ds.setdefault("bf16", {})
-    if bf16.setdefault("enabled", cfg.dtype == "bfloat16") != (cfg.dtype == "bfloat16"):
-        raise ValueError(f"{path}: bf16.enabled={bf16['enabled']!r} contradicts the trainer's dtype={cfg.dtype!r}")
-    opt = ds.setdefault("optimizer", {"type": "SWAN" if cfg.optimizer == "swan" else "AdamW"})
-    if str(opt.get("type", "")).lower() != cfg.optimizer:
-        raise ValueError(f"{path}: optimizer.type={opt.get('type')!r} but the trainer's optimizer={cfg.optimizer!r}")
-    params = opt.setdefault("params", {})
-    if cfg.optimizer == "swan":
-        filled = {"preset": cfg.preset, "lr": cfg.lr, "weight_decay": cfg.weight_decay, "fallback": cfg.fallback,
-                  "mode": cfg.swan_mode, "bucket_mb": cfg.bucket_mb, **cfg.swan_options}
-    else:
-        filled = {"lr": cfg.lr if cfg.lr is not None else 1e-3, "betas": [0.9, 0.95], "weight_decay": cfg.weight_decay}
-    for key, value in filled.items():
-        if value is not None:
-            params.setdefault(key, value)
-    ds.setdefault("steps_per_print", 10**9)
-    return ds
 
 
 def deepspeed_engine(model: nn.Module, cfg: TrainConfig):
