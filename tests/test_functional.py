@@ -355,33 +355,176 @@ def test_auto_dtype_rule_and_bf16_tolerance(monkeypatch):
 def test_gradnorm_folded_into_gram_equals_general_path(monkeypatch, method, steps, beta):
     """On the CPU, a matrix whose Gram is on the input side (in <= out) takes GradNorm from the Gram's
     diagonal and folds it into the small matrices; the result equals the general path (GradNorm pass,
-    then whitening) to rounding, and every input the shortcut cannot take exactly (a zero, tiny, huge or
-    non-finite column) goes to the general path instead."""
+    then whitening) to rounding, for every input: a zero column, tiny or huge columns, columns spanning
+    the whole range, and a NaN/Inf column (then a zero update, flagged)."""
     import swan_dist.functional as F
 
     cfg = WhitenConfig(method=method, steps=steps, beta=beta, dtype="float64")
     gen = torch.Generator().manual_seed(11)
     f64 = torch.float64
+
+    def general(g):
+        return F._rescale(F.whiten(F._grad_norm(g, "rms", f64)[0].mT, method, steps, beta, prescale=False).mT, f64)
+
     for shape in [(48, 24), (32, 32), (3, 40, 8), (1, 1), (5, 1)]:
         g = torch.randn(*shape, generator=gen, dtype=f64)
         g[..., 0] *= 1e3  # GradNorm must remove a column's scale
-        fast = F._swan_update_gram_first(g, cfg, f64, f64)
-        assert fast is not None and bool(fast[1].all()), shape
-        fast = fast[0]
-        general = F._rescale(F.whiten(F._grad_norm(g, "rms", f64)[0].mT, method, steps, beta, prescale=False).mT, f64)
-        assert (fast - general).abs().max() < 1e-10 * general.abs().max(), shape
+        fast, finite = F._swan_update_gram_first(g, cfg, f64, f64)
+        assert finite.shape == g.shape[:-2] and bool(finite.all()), shape
+        want = general(g)
+        assert (fast - want).abs().max() < 1e-10 * want.abs().max(), shape
         if shape[-1] > 1:  # one column: GradNorm alone already fixes the result (sign-like)
             monkeypatch.setattr(F, "_whitener", lambda gram, *a, **k: torch.zeros_like(gram))
             assert F._swan_update_gram_first(g, cfg, f64, f64)[0].abs().max() == 0  # the shortcut really ran
             monkeypatch.undo()
     g = torch.randn(16, 8, generator=gen, dtype=f64)
-    for bad in ("zero", "tiny", "huge", "nan", "inf"):
-        x = g.clone()
-        x[:, 2] = {"zero": 0.0, "tiny": 1e-17, "huge": 1e17, "nan": float("nan"), "inf": float("inf")}[bad]
-        assert F._swan_update_gram_first(x, cfg, f64, f64) is None, bad
+    spread = g * torch.logspace(-300, 300, 8, dtype=f64)  # columns from 1e-300 to 1e300 in one matrix
+    for bad in ("zero", "tiny", "huge", "tinier", "huger", "spread", "nan", "inf", "-inf"):
+        x = spread if bad == "spread" else g.clone()
+        if bad != "spread":
+            x[:, 2] = {"zero": 0.0, "tiny": 1e-17, "huge": 1e17, "tinier": 1e-300, "huger": 1e300,
+                       "nan": float("nan"), "inf": float("inf"), "-inf": float("-inf")}[bad]
+        fast, finite = F._swan_update_gram_first(x, cfg, f64, f64)
+        if bad in ("nan", "inf", "-inf"):
+            assert not bool(finite) and torch.equal(fast, torch.zeros_like(x)), bad
+            continue
+        want = general(x)
+        assert bool(finite) and (fast - want).abs().max() < 1e-10 * want.abs().max(), bad
+        if bad == "zero":
+            assert torch.equal(fast[:, 2], torch.zeros(16, dtype=f64))
+        else:  # the column's own scale is gone: the same update as with a moderate column there
+            y = g.clone()
+            if bad != "spread":
+                y[:, 2] = x[:, 2] / x[:, 2].abs().max()
+            ref = F._swan_update_gram_first(y, cfg, f64, f64)[0]
+            assert (fast - ref).abs().max() < 1e-10 * ref.abs().max(), bad
     wide = torch.randn(8, 16, generator=gen)
     monkeypatch.setattr(F, "_swan_update_gram_first", lambda *a: pytest.fail("wide matrices take the general path"))
     F._swan_update(wide, WhitenConfig(method=method, steps=steps, beta=beta))
+
+
+def _awkward_stack(shape, dtype, gen):
+    """A stack of 5 matrices of ``shape``: moderate, with a NaN, all zero, with an Inf, and one whose
+    columns span 1e-30..1e30; as ``dtype``."""
+    g = torch.randn(5, *shape, generator=gen)
+    g[1, 0, 0] = float("nan")
+    g[2] = 0
+    g[3, -1, -1] = float("-inf")
+    g[4] *= torch.logspace(-30, 30, shape[-1])
+    return g.to(dtype)
+
+
+_CFGS = [WhitenConfig(), WhitenConfig(dtype="bfloat16"), WhitenConfig(method="ns", steps=5, beta=0.8),
+         WhitenConfig(method="none"), WhitenConfig(grad_norm="mean"), WhitenConfig(grad_norm="none"),
+         WhitenConfig(method="none", grad_norm="none"), WhitenConfig(dtype="float64")]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_math_reads_no_tensor_value_on_the_host(dtype):
+    """swan_update, grad_norm, whiten and rescale decide everything on the device, on the CPU too: no
+    call of torch.Tensor's value-reading methods (item, tolist, bool, nonzero, cpu, int, float, index,
+    numpy; tests/host_reads.py), by anyone, for tall (Gram-first), wide and square stacks and single
+    matrices with NaN, Inf, zero and extreme inputs, in every whitening dtype and mode. Results still
+    right: the non-finite matrices flagged and zero, the others finite."""
+    from host_reads import HostReads
+
+    gen = torch.Generator().manual_seed(21)
+    inputs = [_awkward_stack(shape, dtype, gen) for shape in [(24, 16), (16, 24), (12, 12), (1, 9), (9, 1)]]
+    inputs += [g[0] for g in inputs] + [inputs[0][:1], inputs[1][3]]
+    results = []
+    with HostReads() as reads:
+        for g in inputs:
+            for cfg in _CFGS:
+                results.append((g, swan_update(g, cfg)))
+            grad_norm(g), grad_norm(g, "mean"), rescale(g), whiten(g), whiten(g, "ns", 3, 0.5)
+    assert not reads.ours and not reads.others, (reads.ours, reads.others)
+    for g, (upd, finite) in results:
+        bad = ~torch.isfinite(g.float()).flatten(-2).all(-1)
+        assert torch.equal(finite, ~bad) and torch.isfinite(upd).all()
+        assert torch.equal(upd[bad], torch.zeros_like(upd[bad]))
+
+
+def test_fake_tensors_run_the_same_code():
+    """Under FakeTensorMode (shapes and dtypes, no data: a step's memory estimated) swan_update runs the
+    code real tensors run (the module has nothing to special-case) and gives the real shapes and dtypes."""
+    import inspect
+
+    import swan_dist.functional as F
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    assert "is_fake" not in inspect.getsource(F)
+    cases = [((24, 16), torch.float32, WhitenConfig()), ((16, 24), torch.float32, WhitenConfig()),
+             ((3, 24, 16), torch.bfloat16, WhitenConfig(dtype="bfloat16")),
+             ((2, 16, 24), torch.bfloat16, WhitenConfig()),
+             ((4, 12, 12), torch.float32, WhitenConfig(method="ns", steps=4, beta=0.8)),
+             ((2, 1, 9, 5), torch.float32, WhitenConfig(method="none")),
+             ((9, 5), torch.float64, WhitenConfig(dtype="float64")),
+             ((1, 9, 5), torch.float32, WhitenConfig(grad_norm="none"))]
+    real = [swan_update(torch.randn(shape).to(dt), cfg) for shape, dt, cfg in cases]
+    with FakeTensorMode():
+        for (shape, dt, cfg), (r_upd, r_fin) in zip(cases, real):
+            upd, finite = swan_update(torch.empty(shape, dtype=dt), cfg)
+            assert isinstance(upd, FakeTensor) and isinstance(finite, FakeTensor)
+            assert upd.shape == r_upd.shape == shape and upd.dtype == r_upd.dtype, (shape, cfg)
+            assert finite.shape == r_fin.shape == shape[:-2] and finite.dtype == torch.bool
+            x = torch.empty(shape, dtype=dt)
+            assert grad_norm(x).shape == shape and rescale(x).shape == shape
+
+
+@pytest.mark.parametrize("shape", [(24, 16), (16, 24), (16, 16), (3, 24, 16), (3, 16, 24)])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gradient_and_column_scales_change_nothing(shape, dtype):
+    """Tall (Gram-first on the CPU), wide and square, single and stacked, fp32 and bf16 iterations: each
+    column multiplied by its own power of two from 2^-100 to 2^100 gives bitwise the same update (GradNorm
+    removes it, and no rounding sees a power of two); tiny (1e-30) and huge (1e30) gradients, columns
+    spread over 1e-30..1e30 and subnormal gradients (1e-40) give the same update as moderate ones."""
+    cfg = WhitenConfig(dtype=dtype)
+    gen = torch.Generator().manual_seed(31)
+    g = torch.randn(*shape, generator=gen)
+    base, finite = swan_update(g, cfg)
+    assert finite.all()
+    k = torch.randint(-100, 101, (shape[-1],), generator=gen)
+    up, finite = swan_update(g * torch.exp2(k.float()), cfg)
+    assert finite.all() and torch.equal(up, base)
+    tol = 2e-2 if dtype == "bfloat16" else 1e-5  # bf16: the scaled gradient rounds to other bf16 values
+    for scaled in (g * 1e-30, g * 1e30, g * torch.logspace(-30, 30, shape[-1]), (g.double() * 1e-40).float()):
+        up, finite = swan_update(scaled, cfg)
+        assert finite.all()
+        rel = ((up - base).norm(dim=(-2, -1)) / base.norm(dim=(-2, -1))).max()
+        assert rel < tol, float(rel)
+    sub = (g.double() * 2.0 ** -140).float()  # subnormal: the same values as a normal matrix, exactly
+    torch.testing.assert_close(swan_update(sub, cfg)[0], swan_update((sub.double() * 2.0 ** 140).float(), cfg)[0])
+
+
+def test_norms_of_extreme_inputs():
+    """rescale and grad_norm: the norms under- and overflow nowhere (huge, tiny, subnormal, spread)."""
+    for x in (torch.full((3, 4), 1e30), torch.full((3, 4), 3e38), torch.full((3, 4), 1e-30), torch.full((3, 4), 1e-44),
+              torch.randn(2, 5, 6) * torch.logspace(-37, 37, 6)):
+        r = rescale(x)
+        sqrt_mn = math.sqrt(x.shape[-2] * x.shape[-1])
+        torch.testing.assert_close(r.flatten(-2).norm(dim=-1), torch.full(x.shape[:-2], sqrt_mn))
+        gn = grad_norm(x)
+        torch.testing.assert_close(gn.pow(2).mean(dim=-2), torch.ones(x.shape[:-2] + x.shape[-1:]), rtol=1e-5, atol=1e-5)
+    zero = torch.zeros(2, 3)
+    assert torch.equal(rescale(zero), zero) and torch.equal(grad_norm(zero), zero)
+    bad = torch.ones(2, 3, 4)
+    bad[1, 0, 0] = float("inf")
+    assert torch.isfinite(rescale(bad)[0]).all() and not torch.isfinite(rescale(bad)[1]).all()
+
+
+def test_nonfinite_matrices_in_every_path_leave_the_others_alone():
+    """Tall (Gram-first) and wide stacks, bf16 and fp32 gradients and iterations, NS and NSDS: a NaN or
+    an Inf zeroes its own matrix's update and clears its flag; the other matrices get what they get alone."""
+    gen = torch.Generator().manual_seed(41)
+    for shape in [(24, 16), (16, 24)]:
+        for dtype in (torch.float32, torch.bfloat16):
+            for cfg in (WhitenConfig(), WhitenConfig(dtype="bfloat16"), WhitenConfig(method="ns", steps=5, beta=0.8)):
+                g = _awkward_stack(shape, dtype, gen)
+                upd, finite = swan_update(g, cfg)
+                assert finite.tolist() == [True, False, True, False, True]
+                assert torch.equal(upd[[1, 3]], torch.zeros(2, *shape))
+                alone, _ = swan_update(g[[0, 2, 4]], cfg)
+                torch.testing.assert_close(upd[[0, 2, 4]], alone, atol=1e-6, rtol=1e-5)
 
 
 def test_inputs_are_never_written():
@@ -398,3 +541,25 @@ def test_inputs_are_never_written():
                         grad_norm(g)
                         rescale(g)
                         assert torch.equal(g, g0), (dt, wdt, gn, method, shape)
+
+
+def test_gram_from_halves_equals_the_full_gram(monkeypatch):
+    """On the CPU a single matrix's Gram at least _GRAM_HALVES_MIN wide is built from three GEMMs on its
+    halves: exactly symmetric, equal to the full GEMM to rounding (fp64, fp32, bf16, either orientation),
+    and the update through it equals the update through the full GEMM."""
+    import swan_dist.functional as F
+
+    gen = torch.Generator().manual_seed(51)
+    n = F._GRAM_HALVES_MIN
+    for dt, tol in ((torch.float64, 1e-12), (torch.float32, 1e-5), (torch.bfloat16, 1e-2)):
+        x = torch.randn(n + 77, n + 6, generator=gen).to(dt)
+        for v in (x, x.mT):  # the whitening's x xᵀ and the Gram-first path's gᵀg
+            got = F._gram(v)
+            assert got.shape == (v.shape[0], v.shape[0]) and got.dtype == dt and torch.equal(got, got.mT)
+            want = v @ v.mT
+            assert (got.double() - want.double()).abs().max() <= tol * want.double().abs().max()
+    g = torch.randn(n + 77, n + 6, generator=gen)
+    halves = [swan_update(v, WhitenConfig(dtype="float32"))[0] for v in (g, g.mT)]
+    monkeypatch.setattr(F, "_GRAM_HALVES_MIN", 1 << 30)
+    for got, v in zip(halves, (g, g.mT)):
+        torch.testing.assert_close(got, swan_update(v, WhitenConfig(dtype="float32"))[0], atol=1e-5, rtol=1e-5)
