@@ -89,7 +89,7 @@ class Piece:
 
 def _address(t: Tensor):
     """Where ``t``'s data starts: its data pointer; for a fake tensor (no data,
-    :func:`~swan_dist.functional.is_fake`) its storage's identity and offset."""
+    :func:`~swan_dist.collectives.is_fake`) its storage's identity and offset."""
     if is_fake(t):
         return t.untyped_storage()._cdata, t.storage_offset() * t.element_size()
     return t.data_ptr()
