@@ -2,7 +2,7 @@
 
 from .functional import WhitenConfig, grad_norm, rescale, swan_update, whiten
 from .lr import from_adamw
-from .optimizer import FALLBACKS, SWAN
+from .optimizer import FALLBACKS, SWAN, StepRecord
 from .presets import list_presets, load_preset
 from .selection import Rule, classify, param_groups, tag_model
 from .switch import load_adamw_checkpoint, state_from_adamw
@@ -15,7 +15,7 @@ _register_type(SWAN)  # DeepSpeed JSON: "optimizer": {"type": "SWAN"}
 __version__ = "0.1.0"
 
 __all__ = [
-    "SWAN", "FALLBACKS", "WhitenConfig", "grad_norm", "whiten", "rescale", "swan_update",
+    "SWAN", "FALLBACKS", "StepRecord", "WhitenConfig", "grad_norm", "whiten", "rescale", "swan_update",
     "load_preset", "list_presets", "param_groups", "tag_model", "classify", "Rule",
     "SWANFactory", "state_from_adamw", "load_adamw_checkpoint", "from_adamw",
 ]

@@ -33,9 +33,9 @@ from .records import Entry, Origin
 from .rules import FALLBACKS, check_group, check_scalars
 from .selection import Rule, classify, param_groups, tag_model, tagged_form, tagged_name
 from .state import export_states, import_states, zero_states
-from .summary import SummaryRow, log_info, summary_text, warn_unnamed
+from .summary import StepLog, StepRecord, SummaryRow, log_info, summary_text, warn_unnamed
 
-__all__ = ["SWAN", "FALLBACKS"]
+__all__ = ["SWAN", "FALLBACKS", "StepRecord"]
 
 # Hyper-parameters with a meaning independent of any preset. lr has no default without a preset.
 _BASE = dict(
@@ -45,20 +45,29 @@ _BASE = dict(
 assert set(_BASE) | {"lr"} == OPTIMIZER_KEYS
 
 
-def _as_groups(params: Iterable[Any] | nn.Module, include: list[str], exclude: list[str]) -> list:
+def _as_groups(params: Iterable[Any] | nn.Module, include: list[str], exclude: list[str],
+               model: nn.Module | None = None) -> list:
     """torch's ``params`` argument as SWAN's groups: a module's parameters classified by module type and
-    name; bare tensors that no name reaches (alone, or in groups without names like the Trainer's
-    weight-decay groups) named through the framework that owns them, where one does (DeepSpeed building
-    the optimizer from its JSON's ``"type": "SWAN"``)."""
+    name; bare tensors (alone, or in groups without names like an AdamW port's or the Trainer's
+    weight-decay groups) named by identity against ``model`` (``SWAN(..., model=)``), else, where no name
+    reaches them, through the framework that owns them, where one does (DeepSpeed building the optimizer
+    from its JSON's ``"type": "SWAN"``)."""
+    if model is not None and not isinstance(model, nn.Module):
+        raise TypeError(f"swan_dist: model= is the nn.Module the parameters belong to, got {type(model).__name__}")
     if isinstance(params, nn.Module):
+        if model is not None and model is not params:
+            raise ValueError("swan_dist: SWAN(module, model=other) names two models; give the module alone, "
+                             "SWAN(module), or its parameters with model=module")
         return param_groups(params, include, exclude)
     params = [{**g, "params": [g["params"]] if isinstance(g["params"], Tensor) else list(g["params"])}
               if isinstance(g, dict) else g for g in params]
     bare = [p for p in params if isinstance(p, Tensor)] + [
         p for g in params if isinstance(g, dict) and not g.get("param_names") for p in g["params"]
         if isinstance(p, Tensor)]
-    if bare and all(tagged_name(p) is None for p in bare) and (model := name_bare_params(bare)) is not None:
+    if model is not None:  # the caller's model: its module types and names, whatever tags the tensors had
         tag_model(model, include, exclude)
+    elif bare and all(tagged_name(p) is None for p in bare) and (found := name_bare_params(bare)) is not None:
+        tag_model(found, include, exclude)
     return params
 
 
@@ -136,6 +145,12 @@ def _pair(betas: Any) -> Any:
     return tuple(betas) if isinstance(betas, list) else betas
 
 
+def _held(value: Any) -> Any:
+    """A param group's scalar as a step used it: a tensor (a scheduler may change it in place) copied on its
+    device, never read on the host."""
+    return value.detach().clone() if isinstance(value, Tensor) else value
+
+
 def _rank0() -> bool:
     return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
 
@@ -185,9 +200,13 @@ class SWAN(torch.optim.Optimizer):
         bucket_mb: bound, in MB of full fp32 matrices, of one exchange bucket (the owner's transient memory).
         process_group: the group the matrices are sharded/replicated over (default: world); with
             tensor parallelism, the whole TP x DP mesh.
+        model: the ``nn.Module`` the parameters belong to, where ``params`` are bare tensors or param groups
+            without names (an AdamW port's decay / no-decay groups): each tensor is named by identity against
+            ``model.named_parameters()`` and classified by its module type (:func:`swan_dist.tag_model`), so
+            embeddings and the output head take the fallback rule; the groups keep their options.
         strict: raise ``ValueError`` (instead of a warning) when SWAN would whiten 2-D tensors it cannot
-            name (bare ``model.parameters()``: embeddings and the output head would be whitened), or
-            ends up whitening none of the 2-D tensors it was given.
+            name (bare ``model.parameters()`` or groups without names and no ``model=``: embeddings and the
+            output head would be whitened), or ends up whitening none of the 2-D tensors it was given.
         split_fused: whiten a fused projection recognised from its module type (Q, K, V of GPT-2's
             ``c_attn``, GPT-NeoX's ``query_key_value``, Phi-3's ``qkv_proj``; gate, up of a ``gate_up_proj``,
             per MoE expert too; Megatron's ``linear_qkv``/``linear_fc1``) as its separate matrices
@@ -231,6 +250,7 @@ class SWAN(torch.optim.Optimizer):
         verbose: bool = True,
         split_fused: bool = True,
         step_in_backward: bool = False,
+        model: nn.Module | None = None,
     ) -> None:
         self.preset, defaults = _defaults(preset, dict(
             lr=lr, alpha=alpha, whitening=whitening, ns_steps=ns_steps, beta=beta, grad_norm=grad_norm,
@@ -253,14 +273,17 @@ class SWAN(torch.optim.Optimizer):
         self.nonfinite_skips: Counter[str] = Counter()  # complete once poll_reports(wait=True) returned
         self._reports: list = []  # one-process steps whose counts are on their way to the host
         self.whitened_matrices = 0  # matrices whitened so far (SWAN work done, for accounting)
-        super().__init__(_as_groups(params, self._include, self._exclude), defaults)
+        self._steps = 0  # step() calls
+        self._step_log = StepLog()  # the step under way (updates made during backward included)
+        self._last: tuple[int, StepLog, list] | StepRecord | None = None  # last_step, resolved when read
+        super().__init__(_as_groups(params, self._include, self._exclude, model), defaults)
         optimizer_built(self)
         self._in_backward: InBackward | None = None
         if step_in_backward:
             units = check_in_backward([p for g in self.param_groups for p in g["params"]],
-                                      params if isinstance(params, nn.Module) else None)
+                                      params if isinstance(params, nn.Module) else model)
             self._in_backward = InBackward(self, units)
-        warn_unnamed(self._rows, strict)
+        warn_unnamed(self._rows, strict, model is not None)
         if verbose and _rank0():
             log_info(self.summary())  # the "swan_dist" logger, or stdout where logging is not configured
 
@@ -268,7 +291,7 @@ class SWAN(torch.optim.Optimizer):
     # rebuilt on the next step; a process group cannot be copied (a copy uses the default group
     # until ``process_group`` is set again).
     _PICKLED = ("preset", "mode", "bucket_mb", "_include", "_exclude", "_rows", "_origin", "nonfinite_skips",
-                "whitened_matrices", "_packed", "_forms")
+                "whitened_matrices", "_packed", "_forms", "_steps")
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
@@ -279,7 +302,8 @@ class SWAN(torch.optim.Optimizer):
         super().__setstate__(state)
         # unpickling: absent, so defaults; torch's load_state_dict also calls this: keep what is set
         for key, make in (("process_group", lambda: None), ("_memos", dict), ("_collector", Collector),
-                          ("_forms", dict), ("_in_backward", lambda: None)):
+                          ("_forms", dict), ("_in_backward", lambda: None), ("_steps", int), ("_step_log", StepLog),
+                          ("_last", lambda: None)):
             if key not in self.__dict__:
                 self.__dict__[key] = make()
         origin = self.__dict__.get("_origin")
@@ -386,15 +410,51 @@ class SWAN(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        rest = None if self._in_backward is None else self._in_backward.finish()
-        if rest is None:
-            self.step_entries(*self.collect_entries(), memo="all")
-        elif rest:  # what backward left (the same on every rank)
-            self.step_entries(*self.collect_entries(rest), memo="rest")
+        try:
+            if closure is not None:
+                with torch.enable_grad():
+                    loss = closure()
+            rest = None if self._in_backward is None else self._in_backward.finish()
+            if rest is None:
+                self.step_entries(*self.collect_entries(), memo="all")
+            elif rest:  # what backward left (the same on every rank)
+                self.step_entries(*self.collect_entries(rest), memo="rest")
+        finally:  # a step that raised is recorded too
+            self._end_step()
         return loss
+
+    def _end_step(self) -> None:
+        """Close the step under way as :attr:`last_step` (host values only: the groups' lr and alpha as this
+        step used them; names still on their way are read when the record is)."""
+        self._steps += 1
+        rates = [(_held(g["lr"]), _held(g["alpha"]), self._matrices(i), bool(g["use_swan"]))
+                 for i, g in enumerate(self.param_groups)]
+        self._last, self._step_log = (self._steps, self._step_log, rates), StepLog()
+
+    def _matrices(self, index: int) -> int:
+        """SWAN's matrices in param group ``index`` as it was built: its tensors for a SWAN group, the SWAN
+        members of its packed tensors (an FSDP1 FlatParameter) for a fallback group."""
+        group = self.param_groups[index]
+        origin = self._origin[index] if index < len(self._origin) else [(None, p) for p in group["params"]]
+        if group["use_swan"]:
+            return len(origin)
+        return sum(sum(self._packed.get(p, ())) for _, p in origin if p is not None) if self._packed else 0
+
+    @property
+    def last_step(self) -> StepRecord | None:
+        """What the last :meth:`step` did (:class:`swan_dist.StepRecord`: ``step``, ``whitened``, ``skipped``,
+        ``nonfinite``, ``update_rms``, ``fallback_lr``), for a logger: ``log(opt.last_step._asdict())``;
+        ``None`` before the first step. The step itself reads nothing on the host for it: in one process
+        the names of what it skipped arrive with the step's counts, copied without waiting; reading this
+        waits for them where they have not landed (a host read, made when asked)."""
+        last = self._last
+        if last is None or isinstance(last, StepRecord):
+            return last
+        step, log, rates = last
+        if log.pending():
+            self.poll_reports(wait=True)
+        self._last = log.record(step, rates)
+        return self._last
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """torch's; with ``step_in_backward=True`` the next backward updates the parameters."""
@@ -433,6 +493,7 @@ class SWAN(torch.optim.Optimizer):
             kept.hashes.clear()
         self.whitened_matrices += result.whitened
         self.nonfinite_skips.update(result.skipped + result.nonfinite)
+        self._step_log.add(result.whitened, result.skipped, result.nonfinite, result.report)
         if result.failure is not None:
             raise result.failure
         if result.report is not None:
@@ -446,7 +507,8 @@ class SWAN(torch.optim.Optimizer):
         warns and adds to :attr:`nonfinite_skips`; ``wait=True`` waits for every copy (a host read)."""
         reports = self.__dict__.setdefault("_reports", [])
         while reports and (wait or reports[0].ready()):
-            skipped, nonfinite = reports.pop(0).resolve()
+            report = reports.pop(0)
+            skipped, nonfinite = report.outcome = report.resolve()  # kept for its step's record (last_step)
             self.nonfinite_skips.update(skipped + nonfinite)
 
 

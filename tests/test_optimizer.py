@@ -499,3 +499,113 @@ def test_an_adamw_sized_lr_warns_once_naming_the_fix():
         SWAN(Toy(), adamw_lr=5e-5, verbose=False)
         SWAN(Toy(), lr=0.0, verbose=False)
         SWAN(Toy(), lr=3e-4, preset="swan_0", verbose=False)
+
+
+def test_last_step_records_the_step_for_a_logger(monkeypatch):
+    """``opt.last_step``: the step count, the matrices whitened, the names skipped for NaN/Inf and the
+    matrices' update RMS (lr x alpha as the step used it, a scheduler's change included) and the fallback
+    lr, from host values: step() reads nothing for it; where the step's counts have not landed (an
+    accelerator's copy in flight, simulated) reading the record waits for them, and only then reads."""
+    from host_reads import HostReads
+
+    import swan_dist.engine
+
+    torch.manual_seed(0)
+    model = Toy()
+    opt = SWAN(model, lr=0.1, weight_decay=0.0, verbose=False)  # swan_ddagger: alpha 0.05
+    assert opt.last_step is None
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 0.5 ** t)
+    x = torch.randint(0, 50, (4, 9))
+    up = model.layers[0].up.weight
+    for t in range(3):
+        opt.zero_grad()
+        _loss(model, x).backward()
+        before = up.detach().clone()
+        with HostReads() as reads:
+            opt.step()
+        assert reads.n_ours == 0, (t, reads.ours)
+        sched.step()  # after the step: the record keeps the lr the step used
+        with HostReads() as reads:
+            rec = opt.last_step
+        assert reads.n_ours == 0, reads.ours  # one process on the CPU: the counts landed with the step
+        lr = 0.1 * 0.5 ** t
+        assert isinstance(rec, swan_dist.StepRecord) and rec.step == t + 1 and rec.whitened == 4
+        assert rec.skipped == rec.nonfinite == () and rec.fallback_lr == (pytest.approx(lr),)
+        assert rec.update_rms == pytest.approx(lr * 0.05, rel=1e-12)
+        rms = (up.detach() - before).pow(2).mean().sqrt().item()
+        assert rms == pytest.approx(rec.update_rms, rel=1e-2), (t, rms, rec.update_rms)
+        assert opt.last_step is rec and set(rec._asdict()) == {
+            "step", "whitened", "skipped", "nonfinite", "update_rms", "fallback_lr"}
+
+    # a NaN gradient, its counts still on their way when step() returns: step() reads nothing, the record does
+    monkeypatch.setattr(swan_dist.engine.Report, "ready", lambda self: False)
+    opt.zero_grad()
+    _loss(model, x).backward()
+    up.grad[0, 0] = float("nan")
+    with HostReads() as reads:
+        opt.step()
+    assert reads.n_ours == 0, reads.ours
+    assert opt.nonfinite_skips["layers.0.up.weight"] == 0  # not known yet
+    with pytest.warns(RuntimeWarning, match="layers.0.up.weight"), HostReads() as reads:
+        rec = opt.last_step
+    assert reads.n_ours >= 1  # the names, read when asked
+    # decided on the device: the skipped matrix was whitened (work done, counted) and not applied
+    assert rec.step == 4 and rec.skipped == ("layers.0.up.weight",) and rec.whitened == 4
+    assert opt.nonfinite_skips["layers.0.up.weight"] == 1
+    assert copy.deepcopy(opt)._steps == 4  # the count survives a copy (the record is not state)
+
+    # several SWAN groups: their lr x alpha weighted by their matrices
+    two = SWAN([{"params": [("a", nn.Parameter(torch.randn(4, 4)))], "lr": 0.2},
+                {"params": [("b", nn.Parameter(torch.randn(4, 4))), ("c", nn.Parameter(torch.randn(4, 4)))]},
+                {"params": [("v", nn.Parameter(torch.randn(4)))], "lr": 0.3}],
+               lr=0.1, alpha=0.5, preset=None, verbose=False)
+    for g in two.param_groups:
+        for p in g["params"]:
+            p.grad = torch.randn_like(p)
+    two.step()
+    rec = two.last_step
+    assert rec.whitened == 3 and rec.update_rms == pytest.approx((0.2 * 0.5 + 2 * 0.1 * 0.5) / 3)
+    assert rec.fallback_lr == (0.3,)
+
+
+def _port_groups(model):
+    """The usual AdamW port: decay / no-decay groups of bare parameters."""
+    decay = [p for _, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for _, p in model.named_parameters() if p.dim() < 2]
+    return [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def test_adamw_port_groups_named_by_model_or_the_warning_names_model():
+    """Decay / no-decay groups of bare tensors with ``model=``: named by identity against the model, the
+    embedding and the head on the fallback rule, each group's options kept, no warning. Without it the
+    warning (strict=True: the error) names ``model=``; tensors outside the model given are named as such."""
+    import warnings
+
+    model = Toy()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt = SWAN(_port_groups(model), lr=0.02, model=model, verbose=False)
+    rules = _rules(opt)
+    assert rules["tok_embeddings.weight"] == rules["output.weight"] == "fallback:adamw"
+    assert rules["layers.0.up.weight"] == rules["layers.1.down.weight"] == "SWAN"
+    assert rules["layers.0.norm.weight"] == "fallback:adamw"
+    assert "4 matrices whitened by SWAN" in opt.summary() and "name unknown" not in opt.summary()
+    swan = [g for g in opt.param_groups if g["use_swan"] and g["params"]]
+    assert len(swan) == 1 and swan[0]["weight_decay"] == 0.1
+    assert sorted(g["weight_decay"] for g in opt.param_groups if not g["use_swan"]) == [0.0, 0.1]
+    head = opt.param_groups[1]  # the decay group's fallback part: embedding and head
+    assert {id(p) for p in head["params"]} == {id(model.tok_embeddings.weight), id(model.output.weight)}
+
+    fresh = Toy()
+    with pytest.warns(UserWarning, match=r"without names.*model=.*strict=True makes this an error"):
+        unnamed = SWAN(_port_groups(fresh), lr=0.02, verbose=False)
+    assert _rules(unnamed)["<unnamed 0>"] == "SWAN"  # the embedding, whitened: what the warning is about
+    with pytest.raises(ValueError, match=r"without names.*model=.*\(strict=True\)"):
+        SWAN(_port_groups(Toy()), lr=0.02, verbose=False, strict=True)
+    with pytest.warns(UserWarning, match=r"not parameters of the model given as model="):
+        SWAN(_port_groups(Toy()), lr=0.02, model=Toy(), verbose=False)
+    with pytest.raises(ValueError, match="two models"):
+        SWAN(model, lr=0.02, model=Toy(), verbose=False)
+    with pytest.raises(TypeError, match="model= is the nn.Module"):
+        SWAN(_port_groups(model), lr=0.02, model="model", verbose=False)
+    SWAN(model, lr=0.02, model=model, verbose=False)  # the same module twice: fine
