@@ -15,6 +15,7 @@ plans) is an :class:`EngineMemo`, one per set, held by the caller.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import NamedTuple, Sequence
 
@@ -29,7 +30,7 @@ from .records import Entry, GradCode
 from .rules import Missed, run_fallbacks
 from .whitening import Plans, explain, whiten_local
 
-__all__ = ["run_step", "StepContext", "StepResult", "Report", "EngineMemo", "Deferred", "MODES"]
+__all__ = ["run_step", "settle", "Closing", "StepContext", "StepResult", "Report", "EngineMemo", "Deferred", "MODES"]
 
 MODES = ("auto", "owner", "replicated", "local")
 
@@ -78,6 +79,7 @@ class StepResult(NamedTuple):
     nonfinite: tuple[str, ...]  # SWAN matrices whose update was not finite: applied nowhere
     failure: BaseException | None  # the error every rank raises (the same kind, naming the rank), or None
     report: Report | None = None  # in one process: skipped / nonfinite, known once the device has run
+    closing: Closing | None = None  # W > 1 with ``defer``: the status, read by :func:`settle`
 
 
 class Report:
@@ -133,7 +135,7 @@ class Deferred:
 
 
 def run_step(entries: list[Entry], ctx: StepContext, memo: EngineMemo, groups: Sequence[dict], state: dict,
-             failure: BaseException | None = None) -> StepResult:
+             failure: BaseException | None = None, defer: bool = False) -> StepResult:
     """Agree, run the fallback rules, whiten and apply SWAN's updates for ``entries`` on every rank of
     ``ctx.group``; ``groups`` are the param groups whose scalar options every rank must share, ``state``
     the fallback rules' state, ``failure`` what went wrong on this rank before (collecting its pieces):
@@ -145,11 +147,12 @@ def run_step(entries: list[Entry], ctx: StepContext, memo: EngineMemo, groups: S
     on the host (what was skipped comes in the result's :class:`Report`; ``"raise"`` reads it at once);
     at W > 1 the closing status is the step's one host read. Where it says the agreement did not hold
     (a rank's layout changed, or it failed), the step changed nothing and runs again after a full
-    agreement, which raises where ranks really differ."""
+    agreement, which raises where ranks really differ. ``defer`` (steps made during backward): at W > 1
+    the status is issued but left unread in the result's ``closing``, for :func:`settle`."""
     entries = [e for e in entries if e.record.use_swan] + [e for e in entries if not e.record.use_swan]
     try:  # SWAN's matrices first: an entry's index is its matrix index in the exchange
         for _ in range(2):
-            done = _run(entries, ctx, memo, groups, state, failure)
+            done = _run(entries, ctx, memo, groups, state, failure, defer)
             if done is not None:
                 return done
         raise RuntimeError("swan_dist: the ranks' step agreement did not hold twice in a row")
@@ -158,7 +161,7 @@ def run_step(entries: list[Entry], ctx: StepContext, memo: EngineMemo, groups: S
 
 
 def _run(entries: list[Entry], ctx: StepContext, memo: EngineMemo, groups: Sequence[dict], state: dict,
-         failure: BaseException | None) -> StepResult | None:
+         failure: BaseException | None, defer: bool = False) -> StepResult | None:
     """One try of :func:`run_step`; ``None`` where the agreement did not hold (nothing was updated)."""
     agreed = agree(entries, failure, ctx, memo, groups)
     named = [(e.record.name, e.group["nonfinite"]) for e in entries]
@@ -184,7 +187,7 @@ def _run(entries: list[Entry], ctx: StepContext, memo: EngineMemo, groups: Seque
         now = any(mode == "raise" for _, mode in named)  # that option's price: one read per step
         report = Report(counts, named, agreed.codes, missed, now)
         return StepResult(whitened, *report.resolve(), None) if now else StepResult(whitened, (), (), None, report)
-    return _close(ctx, memo, late.error, agreed, counts, named, missed, whitened)
+    return _close(ctx, memo, late.error or failure, agreed, counts, named, missed, whitened, defer)
 
 
 def _update(entries: list[Entry], key: tuple | None, ctx: StepContext, memo: EngineMemo, state: dict,
@@ -218,12 +221,36 @@ def groups_of(entries: Sequence[Entry]) -> list[dict]:
     return list({id(e.group): e.group for e in entries}.values())
 
 
+class Closing:
+    """A step's closing status at W > 1 (``all_reduce(MAX)`` of ``[failed, agreement not held, non-finite
+    gradients, non-finite updates]``, issued), to be read: at once (:func:`run_step`), or, for steps made
+    during backward, all of a backward's together (:func:`settle`): one host read either way."""
+
+    def __init__(self, ctx: StepContext, memo: EngineMemo, late: BaseException | None, agreed, status: Tensor,
+                 named: list[tuple[str, str]], missed: Missed, whitened: int) -> None:
+        self.ctx, self.memo, self.late, self.agreed, self.status = ctx, memo, late, agreed, status
+        self.named, self.missed, self.whitened = named, missed, whitened
+
+    def outcome(self, values: Sequence[int]) -> StepResult | None:
+        """From the status's values (alike on every rank): raises a rank's error alike on every rank;
+        ``None`` where the agreement did not hold (the step updated nothing); else the result, with every
+        rank's non-finite names read only where there were some."""
+        failed, changed, n_grads, n_updates = values
+        if failed:
+            raise_rank_failure(explain(self.late, self.ctx.bucket_mb), self.ctx.group)
+        if changed:
+            self.memo.agreement.agreed = None
+            return None
+        skipped = nonfinite_grads(self.named, self.agreed.codes.tolist()) if n_grads else []
+        bad = gather_names(self.missed.names(), self.ctx.group) if n_updates else []
+        if bad:
+            nonfinite_update(self.named, bad)
+        return StepResult(self.whitened, tuple(skipped), tuple(bad), None)
+
+
 def _close(ctx: StepContext, memo: EngineMemo, late: BaseException | None, agreed, counts: Tensor,
-           named: list[tuple[str, str]], missed: Missed, whitened: int) -> StepResult | None:
-    """The step's last collective and its one host read: one ``all_reduce(MAX)`` of ``[failed, agreement
-    not held, non-finite gradients, non-finite updates]``. Raises a rank's error alike on every rank;
-    ``None`` where the agreement did not hold (the step updated nothing: the caller runs it again after a
-    full agreement); else the result, with every rank's non-finite names read only where there were some."""
+           named: list[tuple[str, str]], missed: Missed, whitened: int, defer: bool) -> StepResult | None:
+    """The step's last collective, and (unless ``defer``) its one host read: :meth:`Closing.outcome`."""
     held = torch.ones((), dtype=torch.bool, device=counts.device) if agreed.held is None else agreed.held
     flags = host_tensor([int(late is not None)], torch.int32, counts.device)
     status = torch.cat([flags, (~held).to(torch.int32).reshape(1), counts])
@@ -231,14 +258,27 @@ def _close(ctx: StepContext, memo: EngineMemo, late: BaseException | None, agree
         if late is not None:
             raise late
         return StepResult(whitened, (), (), None)
-    failed, changed, n_grads, n_updates = all_reduce_max(status, ctx.group).tolist()
-    if failed:
-        raise_rank_failure(explain(late, ctx.bucket_mb), ctx.group)
-    if changed:
-        memo.agreement.agreed = None
-        return None
-    skipped = nonfinite_grads(named, agreed.codes.tolist()) if n_grads else []
-    bad = gather_names(missed.names(), ctx.group) if n_updates else []
-    if bad:
-        nonfinite_update(named, bad)
-    return StepResult(whitened, tuple(skipped), tuple(bad), None)
+    closing = Closing(ctx, memo, late, agreed, all_reduce_max(status, ctx.group), named, missed, whitened)
+    if defer:
+        return StepResult(whitened, (), (), None, closing=closing)
+    return closing.outcome(closing.status.tolist())
+
+
+def settle(closings: Sequence[Closing]) -> list[StepResult]:
+    """The outcomes of steps whose status was left to read (made during one backward): their statuses
+    read together (one host read), then each step's outcome in order, alike on every rank (the first
+    failure raised on every rank). A step whose agreement did not hold updated nothing: every rank warns
+    naming it, and the next step over its entries agrees anew."""
+    if not closings:
+        return []
+    values = torch.stack([c.status for c in closings]).tolist()
+    out = []
+    for c, v in zip(closings, values):
+        r = c.outcome(v)
+        if r is None:
+            warnings.warn(f"swan_dist: the ranks' step agreement did not hold for {[n for n, _ in c.named][:4]} "
+                          "(a layout or structure option changed during backward): not updated this step; "
+                          "agreed again at the next", RuntimeWarning)
+            r = StepResult(c.whitened, (), (), None)
+        out.append(r)
+    return out

@@ -5,7 +5,8 @@ every gradient (the paper's per-layer update).
 A *unit* is a parameter in one process and one FSDP module's parameters under FSDP2 / HSDP; a unit is
 ready when all its parameters have their full gradient (under FSDP2 the reduced shard: torch runs
 post-accumulate-grad hooks on the sharded parameters after the module's reduce-scatter, and HSDP's
-all-reduce, in the same order on every rank). Ready units are stepped together (one
+all-reduce, in the same order on every rank). The batches' closing statuses are read together when
+backward ends (one host read per backward; a fault in any batch raised from backward on every rank). Ready units are stepped together (one
 :func:`swan_dist.engine.run_step`) once they hold ``_BATCH_BYTES`` of gradients on a rank, counted from
 the parameters' global shapes and shardings so that every rank batches alike, and the rest when
 backward ends: fewer meetings of the ranks, and same-shape matrices of neighbouring blocks whitened as
@@ -110,6 +111,7 @@ class InBackward:
         self.unit_bytes = [sum(_local_bytes(p) for p in unit if p.requires_grad) for unit in units]
         self.queued: list[int] = []
         self.queued_bytes = 0
+        self.callback = False  # the end-of-backward callback is queued
         # the hooks hold this object weakly: a tensor's hooks are not traversed by Python's garbage
         # collector, so a strong reference from them (to self, then the optimizer, then every parameter) would
         # keep an optimizer the user dropped, and its model's parameters, alive for good
@@ -128,6 +130,7 @@ class InBackward:
         self.done.clear()
         self.queued.clear()
         self.queued_bytes = 0
+        self.callback = False
         for f in self.fired:
             f.clear()
 
@@ -145,12 +148,20 @@ class InBackward:
         self.fired[k].add(id(p))
         if len(self.fired[k]) < self.expected[k]:
             return
-        if not self.queued:  # the first of a batch: what is queued when backward ends is stepped then
-            torch.autograd.Variable._execution_engine.queue_callback(self._flush)
+        if not self.callback:  # when backward ends: what is queued is stepped, every batch's status read
+            self.callback = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end)
         self.queued.append(k)
         self.queued_bytes += self.unit_bytes[k]
         if self.queued_bytes >= _BATCH_BYTES:
             self._flush()
+
+    def _end(self) -> None:
+        self.callback = False
+        try:
+            self._flush()
+        finally:
+            self.opt.settle_steps()
 
     def _flush(self) -> None:
         units, self.queued, self.queued_bytes = self.queued, [], 0
@@ -165,7 +176,7 @@ class InBackward:
             entries, failure = self.opt.collect_entries(params)
             # the memo is keyed by the batch's first unit (a batch from it has the same units from one
             # backward to the next; where it does not, the engine re-agrees): one memo per unit at most
-            self.opt.step_entries(entries, failure, memo=("unit", ks[0]))
+            self.opt.step_entries(entries, failure, memo=("unit", ks[0]), defer=True)
         finally:
             for p in params:
                 g = p.grad
@@ -193,6 +204,7 @@ class InBackward:
             for k, fired in enumerate(self.fired):
                 if fired and k not in self.done:
                     self._step_units([k])
+            self.opt.settle_steps()
             return [p for k, unit in enumerate(self.units) if k not in self.done for p in unit]
         finally:
             self.armed = False

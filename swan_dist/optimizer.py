@@ -25,7 +25,7 @@ from torch import Tensor, nn
 
 from .adapter import Form, Member, adapter_for, name_bare_params, optimizer_built
 from .collect import Collector, Holdings
-from .engine import MODES, Deferred, EngineMemo, StepContext, StepResult, run_step
+from .engine import MODES, Deferred, EngineMemo, StepContext, StepResult, run_step, settle
 from .in_backward import InBackward, check_in_backward
 from .lr import MATRIX_RATIO, WARN_BELOW, from_adamw
 from .presets import OPTIMIZER_KEYS, load_preset
@@ -479,15 +479,15 @@ class SWAN(torch.optim.Optimizer):
                                            None if params is None else {id(p) for p in params}), None
         return [], deferred.error
 
-    def step_entries(self, entries: list[Entry], failure: BaseException | None = None, memo: object = "all"
-                     ) -> StepResult:
+    def step_entries(self, entries: list[Entry], failure: BaseException | None = None, memo: object = "all",
+                     defer: bool = False) -> StepResult:
         """One step of the engine (:func:`swan_dist.engine.run_step`) over ``entries`` (the same set on
         every rank), with this optimizer's context and the engine's memo for ``memo`` (a key naming the
         set); raises on every rank alike where a rank failed. The entries' gradients are let go of."""
         kept = self._memo(memo)
         try:
             ctx = StepContext.of(entries, self.mode, self.bucket_mb, self.process_group)
-            result = run_step(entries, ctx, kept, self.param_groups, self.state, failure)
+            result = run_step(entries, ctx, kept, self.param_groups, self.state, failure, defer)
         finally:
             self._collector.release(entries, everything=memo == "all")
             kept.hashes.clear()
@@ -498,8 +498,19 @@ class SWAN(torch.optim.Optimizer):
             raise result.failure
         if result.report is not None:
             self.__dict__.setdefault("_reports", []).append(result.report)
+        if result.closing is not None:
+            self.__dict__.setdefault("_closings", []).append(result.closing)
         self.poll_reports()
         return result
+
+    def settle_steps(self) -> None:
+        """Read the statuses of the steps made with ``defer=True`` since the last call (updates made during
+        backward at W > 1: one host read for all of them) and raise, warn and count as each step would
+        have, alike on every rank (:func:`swan_dist.engine.settle`)."""
+        closings, self.__dict__["_closings"] = self.__dict__.get("_closings", []), []
+        for r in settle(closings):
+            self.nonfinite_skips.update(r.skipped + r.nonfinite)
+            self._step_log.add(0, r.skipped, r.nonfinite)  # its matrices were counted when it ran
 
     def poll_reports(self, wait: bool = False) -> None:
         """In one process, what steps skipped for non-finite values is counted on the device and copied to

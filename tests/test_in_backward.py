@@ -161,10 +161,10 @@ def _dist_worker(rank, world, layout, micro):
         seen = []
         step_entries = SWAN.step_entries
 
-        def spy(self, entries, failure=None, memo="all"):
+        def spy(self, entries, failure=None, memo="all", defer=False):
             if memo != "all":  # a step made during backward: the modules it covers
                 seen.append(frozenset(_module(e.record.name) for e in entries))
-            return step_entries(self, entries, failure, memo)
+            return step_entries(self, entries, failure, memo, defer)
 
         SWAN.step_entries = spy
         try:
