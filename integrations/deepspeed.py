@@ -198,5 +198,11 @@ class DeepSpeedAdapter(Adapter):
     def name_bare(self, params):
         return engine_module()
 
+    def step_key(self, params):
+        # ZeRO-3 steps one sub-group at a time, its flat partition in place of its group's parameters and
+        # the others emptied: the sub-groups' ds_ids ("<first>_<last>", alike on every rank) name the part
+        ids = tuple(str(p.ds_id) for p in params if "_" in str(getattr(p, "ds_id", "")))
+        return ids or None
+
     def optimizer_built(self, optimizer) -> None:
         allow_in_zero(type(optimizer))

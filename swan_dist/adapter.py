@@ -197,6 +197,12 @@ class Adapter:
     def optimizer_built(self, optimizer: torch.optim.Optimizer) -> None:
         """Called once per optimizer after construction (register the class with the framework)."""
 
+    def step_key(self, params: Sequence[Tensor]) -> tuple | None:
+        """Where this framework steps a model's parts in turn (ZeRO-3's sub-groups, one ``step()`` each):
+        a name of the part ``params`` (the optimizer's tensors at this step) stand for, alike on every rank,
+        so that each part keeps its own agreement and plans; ``None`` otherwise."""
+        return None
+
     def claims(self, tensor: Tensor) -> bool:
         raise NotImplementedError
 
@@ -356,6 +362,14 @@ def name_bare_params(params: Sequence[Tensor]) -> nn.Module | None:
     for adapter in _registry():
         if (model := adapter.name_bare(params)) is not None:
             return model
+    return None
+
+
+def step_key(params: Sequence[Tensor]) -> tuple | None:
+    """The first adapter's :meth:`Adapter.step_key` for the optimizer's tensors at a step."""
+    for adapter in _registry():
+        if (key := adapter.step_key(params)) is not None:
+            return key
     return None
 
 

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from .adapter import Form, Member, adapter_for, name_bare_params, optimizer_built
+from .adapter import Form, Member, adapter_for, name_bare_params, optimizer_built, step_key
 from .collect import Collector, Holdings
 from .engine import MODES, Deferred, EngineMemo, StepContext, StepResult, run_step, settle
 from .in_backward import InBackward, check_in_backward
@@ -416,7 +416,8 @@ class SWAN(torch.optim.Optimizer):
                     loss = closure()
             rest = None if self._in_backward is None else self._in_backward.finish()
             if rest is None:
-                self.step_entries(*self.collect_entries(), memo="all")
+                part = step_key([p for g in self.param_groups for p in g["params"]])
+                self.step_entries(*self.collect_entries(), memo="all" if part is None else ("part", part))
             elif rest:  # what backward left (the same on every rank)
                 self.step_entries(*self.collect_entries(rest), memo="rest")
         finally:  # a step that raised is recorded too
@@ -489,7 +490,7 @@ class SWAN(torch.optim.Optimizer):
             ctx = StepContext.of(entries, self.mode, self.bucket_mb, self.process_group)
             result = run_step(entries, ctx, kept, self.param_groups, self.state, failure, defer)
         finally:
-            self._collector.release(entries, everything=memo == "all")
+            self._collector.release(entries, everything=memo == "all" or memo[0] == "part")
             kept.hashes.clear()
         self.whitened_matrices += result.whitened
         self.nonfinite_skips.update(result.skipped + result.nonfinite)

@@ -93,3 +93,49 @@ def test_the_counter_sees_a_read():
     with HostReads() as reads:
         assert m.names() == ["w"]
     assert reads.n_ours == 1
+
+
+def _zero_worker(rank, world, stage):
+    """DeepSpeed ZeRO with "type": "SWAN": swan_dist's reads and SWAN.step() calls per engine step (ZeRO-3
+    calls it once per sub-group), and the reads made elsewhere (DeepSpeed's own), by place."""
+    import deepspeed
+    from test_deepspeed import MICRO, _batch, _loss
+    from test_distributed_optimizer import Net
+
+    import swan_dist
+
+    config = {"train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 10**9,
+              "optimizer": {"type": "SWAN", "params": {"preset": "swan_ddagger", "lr": 0.05}},
+              "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 10}},
+              "zero_optimization": {"stage": stage}}
+    torch.manual_seed(0)
+    model = Net()
+    swan_dist.tag_model(model)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    calls = [0]
+    step = SWAN.step
+
+    def counted(self, *a, **k):
+        calls[0] += 1
+        return step(self, *a, **k)
+
+    SWAN.step = counted
+    per_step, where, others = [], {}, {}
+    for t in range(STEPS):
+        x = _batch(t, 0, world)[rank * MICRO: (rank + 1) * MICRO]
+        engine.backward(_loss(engine, x))
+        calls[0] = 0
+        with HostReads() as reads:
+            engine.step()
+        if t >= WARM:
+            per_step.append((reads.n_ours, calls[0]))
+            where.update(reads.ours)
+            others.update(reads.others)
+    SWAN.step = step
+    return per_step, where, others
+
+
+def test_zero2_reads_the_status_once_per_optimizer_step():
+    for per_step, where, _ in run_distributed(_zero_worker, 2, 2, timeout=380):
+        assert per_step == [(1, 1)] * (STEPS - WARM), (per_step, where)
+        assert all("engine.py" in w for w in where), where
