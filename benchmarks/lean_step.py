@@ -15,7 +15,7 @@ Measured side by side in one run, on the same parameters and the same fixed grad
     the ratio to AdamW (foreach) against the target: within 2x;
   - host syncs per step: on CUDA, the synchronising calls ``torch.cuda.set_sync_debug_mode`` reports;
     on the CPU (where a sync costs nothing, but the count is the same code path), the Python-level
-    ``Tensor.item``/``tolist``/``__bool__``/``__int__``/``__float__`` calls;
+    host reads (torch.Tensor's value-reading methods, anyone's: ``swan_dist.host_reads``);
   - at W=2 (``--world``; gloo on the CPU, NCCL on GPUs, spawned processes holding the whole model as
     under DDP): the same step times (slowest rank's median) and the collectives one step issues
     (``torch.distributed`` functions wrapped with counters): the step agreement and, in ``owner`` mode,
@@ -42,6 +42,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
+
+from swan_dist.host_reads import HostReads
 
 from _report import write_section  # noqa: E402 (benchmarks/ is the script's folder)
 
@@ -113,11 +115,9 @@ def fused_ok(device: torch.device) -> bool:
         return False
 
 
-_SYNC_METHODS = ("item", "tolist", "__bool__", "__int__", "__float__")
-
-
 def count_syncs(fn, device: torch.device) -> int:
-    """Host syncs in one call of ``fn``: CUDA's sync debug mode on CUDA, Python-level host reads on the CPU."""
+    """Host syncs in one call of ``fn``: CUDA's sync debug mode on CUDA, Python-level host reads (anyone's:
+    :class:`swan_dist.host_reads.HostReads`) on the CPU."""
     if device.type == "cuda":
         torch.cuda.synchronize()
         with warnings.catch_warnings(record=True) as caught:
@@ -128,25 +128,9 @@ def count_syncs(fn, device: torch.device) -> int:
             finally:
                 torch.cuda.set_sync_debug_mode(0)
         return sum("called a synchronizing CUDA operation" in str(w.message) for w in caught)
-    count = [0]
-    saved = {m: torch.Tensor.__dict__.get(m) for m in _SYNC_METHODS}
-    for m in _SYNC_METHODS:
-        orig = getattr(torch.Tensor, m)
-
-        def counted(self, *a, _orig=orig, **k):
-            count[0] += 1
-            return _orig(self, *a, **k)
-
-        setattr(torch.Tensor, m, counted)
-    try:
+    with HostReads() as reads:
         fn()
-    finally:
-        for m, orig in saved.items():
-            if orig is None:
-                delattr(torch.Tensor, m)
-            else:
-                setattr(torch.Tensor, m, orig)
-    return count[0]
+    return reads.n_all
 
 
 _COLLECTIVES = ("all_reduce", "all_gather", "all_gather_object", "all_gather_into_tensor", "all_to_all",

@@ -426,7 +426,7 @@ def test_the_math_reads_no_tensor_value_on_the_host(dtype):
     numpy; tests/host_reads.py), by anyone, for tall (Gram-first), wide and square stacks and single
     matrices with NaN, Inf, zero and extreme inputs, in every whitening dtype and mode. Results still
     right: the non-finite matrices flagged and zero, the others finite."""
-    from host_reads import HostReads
+    from swan_dist.host_reads import HostReads
 
     gen = torch.Generator().manual_seed(21)
     inputs = [_awkward_stack(shape, dtype, gen) for shape in [(24, 16), (16, 24), (12, 12), (1, 9), (9, 1)]]

@@ -1,4 +1,4 @@
-"""Host reads per steady step (torch.Tensor's value-reading methods counted, tests/host_reads.py): none
+"""Host reads per steady step (torch.Tensor's value-reading methods counted, swan_dist/host_reads.py): none
 in one process, exactly one (the step's closing status) per step at W = 2, with an lr schedule running;
 updates made during backward included. Steps 1-2 agree and build plans (they may read more); steps 3-5
 are counted."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from dist_utils import run_distributed
-from host_reads import HostReads
+from swan_dist.host_reads import HostReads
 from torch import nn
 
 from swan_dist import SWAN

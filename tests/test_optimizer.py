@@ -506,7 +506,7 @@ def test_last_step_records_the_step_for_a_logger(monkeypatch):
     matrices' update RMS (lr x alpha as the step used it, a scheduler's change included) and the fallback
     lr, from host values: step() reads nothing for it; where the step's counts have not landed (an
     accelerator's copy in flight, simulated) reading the record waits for them, and only then reads."""
-    from host_reads import HostReads
+    from swan_dist.host_reads import HostReads
 
     import swan_dist.engine
 
