@@ -79,14 +79,20 @@ def resolve_dtype(cfg: WhitenConfig, device: torch.device) -> torch.dtype:
     return torch.float32
 
 
-@functools.cache
-def _cpuinfo_bf16() -> bool:
+def _read_cpuinfo_bf16() -> bool:
     try:
         with open("/proc/cpuinfo") as f:
             flags = next((line for line in f if line.startswith("flags")), "").split()
     except OSError:
         return False
     return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+_CPU_BF16 = _read_cpuinfo_bf16()  # read once, at import: a constant to torch.compile, no file read in a step
+
+
+def _cpuinfo_bf16() -> bool:
+    return _CPU_BF16
 
 
 def cpu_has_native_bf16() -> bool:
