@@ -416,8 +416,7 @@ class SWAN(torch.optim.Optimizer):
                     loss = closure()
             rest = None if self._in_backward is None else self._in_backward.finish()
             if rest is None:
-                part = step_key([p for g in self.param_groups for p in g["params"]])
-                self.step_entries(*self.collect_entries(), memo="all" if part is None else ("part", part))
+                self.step_entries(*self.collect_entries(), memo=self._part())
             elif rest:  # what backward left (the same on every rank)
                 self.step_entries(*self.collect_entries(rest), memo="rest")
         finally:  # a step that raised is recorded too
@@ -490,7 +489,7 @@ class SWAN(torch.optim.Optimizer):
             ctx = StepContext.of(entries, self.mode, self.bucket_mb, self.process_group)
             result = run_step(entries, ctx, kept, self.param_groups, self.state, failure, defer)
         finally:
-            self._collector.release(entries, everything=memo == "all" or memo[0] == "part")
+            self._collector.release(entries, everything=memo == "all" or (isinstance(memo, tuple) and memo[0] == "part"))
             kept.hashes.clear()
         self.whitened_matrices += result.whitened
         self.nonfinite_skips.update(result.skipped + result.nonfinite)
@@ -523,6 +522,18 @@ class SWAN(torch.optim.Optimizer):
             skipped, nonfinite = report.outcome = report.resolve()  # kept for its step's record (last_step)
             self.nonfinite_skips.update(skipped + nonfinite)
 
+
+    def _part(self) -> object:
+        """The memo of a step over the groups the optimizer holds now: ``"all"``; where a framework steps
+        parts in turn, each part its own, named alike on every rank: ZeRO-3's sub-groups by their ds_ids
+        (:func:`~swan_dist.adapter.step_key`), ZeRO-1/2's param groups (one ``step()`` each, the others
+        taken out of ``param_groups``) by the groups themselves (dicts that live as long as the optimizer)."""
+        part = step_key([p for g in self.param_groups for p in g["params"]])
+        if part is not None:
+            return ("part", part)
+        groups = tuple(map(id, self.param_groups))
+        first = self.__dict__.setdefault("_groups_stepped", groups)
+        return "all" if groups == first else ("part", groups)
 
     def _memo(self, key: object) -> EngineMemo:
         if key not in self._memos:

@@ -135,7 +135,10 @@ def _zero_worker(rank, world, stage):
     return per_step, where, others
 
 
-def test_zero2_reads_the_status_once_per_optimizer_step():
-    for per_step, where, _ in run_distributed(_zero_worker, 2, 2, timeout=380):
-        assert per_step == [(1, 1)] * (STEPS - WARM), (per_step, where)
+@pytest.mark.parametrize("stage", [2, 3])
+def test_zero_reads_the_status_once_per_optimizer_step(stage):
+    for per_step, where, _ in run_distributed(_zero_worker, 2, stage, timeout=380):
+        # DeepSpeed calls SWAN.step() once per param group (ZeRO-1/2) or sub-group (ZeRO-3), the others
+        # taken out of param_groups: each part keeps its own agreement, one read per call
+        assert all(n == calls == 2 for n, calls in per_step), (per_step, where)
         assert all("engine.py" in w for w in where), where
