@@ -1,9 +1,14 @@
 """Host reads per steady step (torch.Tensor's value-reading methods counted, swan_dist/host_reads.py): none
 in one process, exactly one (the step's closing status) per step at W = 2, with an lr schedule running;
 updates made during backward included. Steps 1-2 agree and build plans (they may read more); steps 3-5
-are counted."""
+are counted. Layouts at W = 2: DDP, FSDP2 (in backward too), TP (DTensor Shard on a 2-rank mesh) and
+megatron-core's distributed optimizer, all in one launch; HSDP on a 2 x 2 (replicate, shard) mesh at
+W = 4; DeepSpeed ZeRO-2/3 (one read per SWAN.step() call). Reads made elsewhere (torch, a framework)
+are counted apart: torch makes none, Megatron reads its grad norm (MEGATRON_READS)."""
 
 from __future__ import annotations
+
+from collections import Counter
 
 import pytest
 import torch
@@ -23,9 +28,10 @@ def _model():
 
 
 def _reads(model, opt, rank=0, in_backward=False):
-    """swan_dist's host reads (and where) of each counted step, an lr scheduler stepping every step."""
+    """swan_dist's host reads of each counted step, where they were made, and the reads made elsewhere (torch,
+    a framework) per counted step: an lr scheduler stepping every step. ``rank`` seeds the batch."""
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 1.0 / (1 + t))
-    per_step, where = [], {}
+    per_step, where, others = [], {}, Counter()
     for t in range(STEPS):
         torch.manual_seed(100 + t + rank)
         x = torch.randint(0, 64, (2, 16))
@@ -38,7 +44,8 @@ def _reads(model, opt, rank=0, in_backward=False):
         if t >= WARM:
             per_step.append(reads.n_ours)
             where.update(reads.ours)
-    return per_step, where
+            others.update(reads.others)
+    return per_step, where, others
 
 
 @pytest.mark.parametrize("options", [{}, {"step_in_backward": True}, {"nonfinite": "skip_step"},
@@ -47,35 +54,141 @@ def _reads(model, opt, rank=0, in_backward=False):
 def test_one_process_reads_nothing(options):
     model = _model()
     opt = SWAN(model, preset="swan_ddagger", lr=0.01, verbose=False, **options)
-    per_step, where = _reads(model, opt, in_backward=options.get("step_in_backward", False))
+    per_step, where, _ = _reads(model, opt, in_backward=options.get("step_in_backward", False))
     # nonfinite="raise" pays one read per step to raise at once
     assert per_step == [1 if options.get("nonfinite") == "raise" else 0] * (STEPS - WARM), where
 
 
-def _dist_worker(rank, world, layout):
-    from torch.distributed.device_mesh import init_device_mesh
+def _fsdp2(model, mesh):
     from torch.distributed.fsdp import fully_shard
+
+    for block in model.layers:
+        fully_shard(block, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def _torch_case(rank, world, layout):
+    """One layout of the reference model: DDP, FSDP2 (in backward too), HSDP (FSDP2 on a 2 x W/2
+    (replicate, shard) mesh), TP (DTensor ``Shard`` on the whole world: ColwiseParallel / RowwiseParallel)."""
+    from torch.distributed.device_mesh import init_device_mesh
 
     torch.manual_seed(0)
     model = _model()
     in_backward = layout == "fsdp2_in_backward"
     if layout == "ddp":
         wrapped = nn.parallel.DistributedDataParallel(model)
-        opt = SWAN(model, preset="swan_ddagger", lr=0.01, verbose=False)
+    elif layout == "hsdp":
+        wrapped = _fsdp2(model, init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard")))
+    elif layout == "tp":
+        from test_tensor_parallel import _parallelize
+
+        _parallelize(model, world, 1)
+        wrapped, rank = model, 0  # the TP ranks see the same batch
     else:
-        mesh = init_device_mesh("cpu", (world,))
-        for block in model.layers:
-            fully_shard(block, mesh=mesh)
-        wrapped = fully_shard(model, mesh=mesh)
-        opt = SWAN(model, preset="swan_ddagger", lr=0.01, verbose=False, step_in_backward=in_backward)
+        wrapped = _fsdp2(model, init_device_mesh("cpu", (world,)))
+    opt = SWAN(model, preset="swan_ddagger", lr=0.01, verbose=False, step_in_backward=in_backward)
     return _reads(wrapped, opt, rank, in_backward)
 
 
-@pytest.mark.parametrize("layout", ["ddp", "fsdp2", "fsdp2_in_backward"])
+def _megatron_case(rank, world):
+    """megatron-core's distributed optimizer over DP = W (``get_swan_optimizer``, Megatron's default
+    clip_grad 1.0), a step of Megatron's pipeline schedule, Megatron's lr scheduler stepping every step. The
+    harness's own loss reads (tests/megatron_harness.py) are left out of the framework's."""
+    import contextlib
+    import io
+
+    from megatron.core import parallel_state as ps
+    from megatron.core.optimizer import OptimizerConfig
+
+    import megatron_harness as H
+    from swan_dist.integrations.megatron_factory import get_swan_optimizer
+
+    H.install_cpu_shims()
+    ps.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+    try:
+        chunks, _ = H.build_gpt(1, use_distributed_optimizer=True, vocab=64, seq=16, layers=2)
+        with contextlib.redirect_stdout(io.StringIO()):
+            opt = get_swan_optimizer(OptimizerConfig(lr=1e-2, min_lr=1e-3, weight_decay=0.1, use_distributed_optimizer=True),
+                                     chunks, swan={"verbose": False, "bucket_mb": 0.01})
+        kinds = [type(w).__name__ for w in opt.chained_optimizers]
+        sched = H.lr_schedule(opt, 1e-2, STEPS, 0.1)
+        per_step, where, others = [], {}, Counter()
+        for t in range(STEPS):
+            batch = H.dp_share(H.global_batch(t, 4, 16, 64), rank, world)
+            with HostReads() as reads:
+                H.train_step(chunks, opt, batch)
+                sched.step(1)
+            if t >= WARM:
+                per_step.append(reads.n_ours)
+                where.update(reads.ours)
+                others.update({w: n for w, n in reads.others.items() if "megatron_harness.py" not in w})
+        return per_step, where, others, kinds
+    finally:
+        ps.destroy_model_parallel()
+
+
+W2 = ("ddp", "fsdp2", "fsdp2_in_backward", "tp", "megatron_distopt")
+
+
+def _w2_worker(rank, world, layouts):
+    """Every W = 2 layout, one after another in the same two processes (one launch)."""
+    out = {}
+    for layout in layouts:
+        if layout == "megatron_distopt":
+            out[layout] = _megatron_case(rank, world) if _has_megatron() else None
+        else:
+            out[layout] = _torch_case(rank, world, layout)
+    return out
+
+
+def _hsdp_worker(rank, world):
+    return {"hsdp": _torch_case(rank, world, "hsdp")}
+
+
+def _has_megatron() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("megatron.core") is not None
+
+
+_DONE: dict = {}
+
+
+def _launch(name):
+    """[rank] -> {layout: result} of a launch, run once per test process."""
+    if name not in _DONE:
+        _DONE[name] = (run_distributed(_w2_worker, 2, W2, timeout=360) if name == "w2"
+                       else run_distributed(_hsdp_worker, 4, timeout=240))
+    return _DONE[name]
+
+
+def _per_step_others(others):
+    return {w: n / (STEPS - WARM) for w, n in sorted(others.items())}
+
+
+# the reads Megatron makes itself per step: its grad norm for clip_grad (1.0, its default) read once
+# (clip_grads.py's total_norm.item()); on a host without apex / Transformer Engine (this CPU harness) its
+# stand-in l2 norm reads once more (utils.py's local_multi_tensor_l2_norm). fp32: no grad scaler, no found_inf
+MEGATRON_READS = ("megatron/core/optimizer/clip_grads.py", "megatron/core/utils.py")
+
+
+@pytest.mark.parametrize("layout", [*W2, "hsdp"])
 def test_two_ranks_read_the_status_once(layout):
-    for per_step, where in run_distributed(_dist_worker, 2, layout, timeout=240):
-        assert per_step == [1] * (STEPS - WARM), where
+    """swan_dist reads the step's closing status once per step (at W = 4 for HSDP's 2 x 2 mesh). torch
+    (DDP, FSDP2, DTensor) reads nothing in a steady step; Megatron reads its grad norm."""
+    if layout == "megatron_distopt" and not _has_megatron():
+        pytest.skip("megatron-core not installed")
+    results = [r[layout] for r in _launch("hsdp" if layout == "hsdp" else "w2")]
+    for res in results:
+        per_step, where, others = res[:3]
+        assert per_step == [1] * (STEPS - WARM), (where, _per_step_others(others))
         assert all("engine.py" in w and "tolist" in w for w in where), where
+        if layout == "megatron_distopt":
+            assert res[3] == ["SwanDistributedOptimizer"], res[3]  # Megatron's distributed optimizer, SWAN inside
+            assert others and all(any(m in w for m in MEGATRON_READS) for w in others), others
+            assert sum(others.values()) <= 2 * (STEPS - WARM), _per_step_others(others)
+        else:
+            assert not others, _per_step_others(others)
 
 
 def test_the_counter_sees_a_read():
