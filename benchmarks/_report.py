@@ -126,3 +126,34 @@ if __name__ == "__main__":  # python benchmarks/_report.py: docs/results/*.json 
         if page.exists():
             for path in export(page):
                 print(path.relative_to(DOC.parent.parent))
+
+
+def against(commit: str, script: str, argv: list[str], rounds: int = 2) -> tuple[list[list[dict]], list[list[dict]]]:
+    """``script`` (this checkout's benchmark) run ``rounds`` times on this checkout's swan_dist and as many on
+    ``commit``'s (its ``swan_dist/``, ``integrations/`` and ``configs/`` put first on PYTHONPATH; a module the benchmark
+    needs that the commit lacks, such as ``swan_dist/host_reads.py``, taken from this checkout), in turn
+    (new, old, new, old: a load change on the machine hits both alike). Each run gets ``argv`` plus
+    ``--no-write --json FILE`` and writes its rows there; returns (this checkout's runs, the commit's)."""
+    import os
+    import shutil
+    import tempfile
+
+    root = DOC.parent.parent
+    runs: tuple[list, list] = ([], [])
+    with tempfile.TemporaryDirectory() as tmp:
+        old = Path(tmp) / "old"
+        old.mkdir()
+        archive = subprocess.run(["git", "archive", commit, "swan_dist", "integrations", "configs"], cwd=root,
+                                 capture_output=True, check=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(old)], input=archive, check=True)
+        for path in ("swan_dist/host_reads.py",):
+            if not (old / path).exists():
+                shutil.copy(root / path, old / path)
+        for r in range(rounds):
+            for k, path in enumerate((root, old)):
+                out = Path(tmp) / f"rows{r}{k}.json"
+                env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(path), str(Path(script).resolve().parent)])}
+                print(f"{'this checkout' if k == 0 else commit}, round {r + 1}:", flush=True)
+                subprocess.run([sys.executable, script, *argv, "--no-write", "--json", str(out)], env=env, check=True)
+                runs[k].append(json.loads(out.read_text()))
+    return runs

@@ -24,11 +24,13 @@ Writes a section of docs/benchmarks.md.
 
     python benchmarks/lean_step.py --steps 50
     python benchmarks/lean_step.py --world 0 --no-write   # one process only
+    python benchmarks/lean_step.py --steps 30 --against 1aaf204   # this commit's step against another's
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import socket
@@ -37,6 +39,7 @@ import tempfile
 import time
 import warnings
 from collections import Counter
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -45,7 +48,7 @@ from torch import nn
 
 from swan_dist.host_reads import HostReads
 
-from _report import write_section  # noqa: E402 (benchmarks/ is the script's folder)
+from _report import against, write_section  # noqa: E402 (benchmarks/ is the script's folder)
 
 TARGET = 2.0  # SWAN (whitening none) within 2x of AdamW (foreach) per tensor
 # The same script on the optimizer before the lean step (swan_dist/optimizer.py and adapter.py of commit
@@ -259,7 +262,13 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--threads", type=int, default=1, help="CPU threads of the one-process run (W>1: one each)")
     ap.add_argument("--no-write", action="store_true", help="print only, do not update docs/benchmarks.md")
+    ap.add_argument("--json", help="also write the rows (world, optimizer, median step, host reads) here")
+    ap.add_argument("--against", metavar="COMMIT", help="run this script on this checkout and on COMMIT's swan_dist "
+                    "in turn, --rounds times each, and write the ratios (section lean-step-<device>-against)")
+    ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args()
+    if args.against:
+        return compare(args)
     device = torch.device(args.device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     if device.type == "cpu":
@@ -271,12 +280,16 @@ def main() -> None:
     names = ["adamw-foreach"] + (["adamw-fused"] if fused_ok(device) else []) + ["swan-none", "swan-none+sign"]
     rows = measure(names, model, grads, args.steps, device, sync)
     lines = table(rows, n_tensors, 1)
+    found = [dict(r, world=1) for r in rows]
     cuda = device.type == "cuda"
     multi = args.world > 1 and (not cuda or torch.cuda.device_count() >= args.world)
     if multi:  # one GPU per rank under NCCL; on the CPU, gloo
         wnames = ["adamw-foreach", "swan-none@owner", "swan-none+sign@owner", "swan-none@local"]
-        lines += table(run_world(args.world, args.layers, args.dim, args.steps, wnames, cuda), n_tensors,
-                       args.world)[2:]
+        wrows = run_world(args.world, args.layers, args.dim, args.steps, wnames, cuda)
+        lines += table(wrows, n_tensors, args.world)[2:]
+        found += [dict(r, world=args.world) for r in wrows]
+    if args.json:
+        Path(args.json).write_text(json.dumps([{k: r[k] for k in ("world", "name", "t", "syncs")} for r in found]))
 
     dev_name = (torch.cuda.get_device_name(device) if device.type == "cuda"
                 else f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)")
@@ -300,12 +313,10 @@ def main() -> None:
         "scalars, one ends the step with every rank's status). Per tensor = "
         "step time / tensors; target: SWAN within 2x of AdamW (foreach).",
         "",
-        "Host syncs: on CUDA what `torch.cuda.set_sync_debug_mode` reports (SWAN: one, the read of the agreed "
-        "codes, whatever the fallback rule); on the CPU the Python-level reads "
-        "of tensor values (`item`, `tolist`, `bool`, ...), which cost nothing there and are counted for the code "
-        "path: torch's foreach AdamW reads each parameter's CPU step counter twice (870 here, no device sync on "
-        "CUDA either); SWAN reads the agreed codes once, plus checks that run on the CPU only (whether any "
-        "gradient norm needs the exact finite check; `functional`'s norm and finite checks, per stack).",
+        "Host syncs: on CUDA what `torch.cuda.set_sync_debug_mode` reports; on the CPU the Python-level reads "
+        "of tensor values (`item`, `tolist`, `bool`, ...), anyone's, which cost nothing there and are counted for "
+        "the code path: torch's foreach AdamW reads each parameter's CPU step counter twice (no device sync on "
+        "CUDA); SWAN reads nothing in one process and the step's closing status once at W>1.",
     ]
     before = BEFORE.get(device.type) if (args.layers, args.dim) == (48, 64) else None
     if before:
@@ -314,6 +325,42 @@ def main() -> None:
     print(text)
     if not args.no_write:
         write_section(f"lean-step-{device.type}", f"Lean step ({device.type.upper()}): per-tensor overhead on many small matrices under an lr schedule", text)
+
+
+def compare(args: argparse.Namespace) -> None:
+    """This checkout's step against ``args.against``'s, the same script run on each in turn: per world size
+    and optimizer the best of the rounds' medians (a round slowed by the machine counts least), the ratio
+    of the two, and the same ratio with each run's time taken relative to its own AdamW (foreach) step."""
+    argv = ["--layers", str(args.layers), "--dim", str(args.dim), "--steps", str(args.steps), "--world",
+            str(args.world), "--device", args.device, "--threads", str(args.threads)]
+    new, old = against(args.against, __file__, argv, args.rounds)
+
+    def best(runs):
+        out: dict = {}
+        for run in runs:
+            for r in run:
+                key = (r["world"], r["name"])
+                out[key] = min(out.get(key, (float("inf"), 0)), (r["t"], r["syncs"]))
+        return out
+
+    a, b = best(new), best(old)
+    lines = [f"| W | optimizer | this commit (ms) | {args.against} (ms) | ratio | ratio, each vs its AdamW foreach | "
+             f"host reads / step: this, {args.against} |", "|---:|---|---:|---:|---:|---:|---|"]
+    for (w, name), (t, syncs) in a.items():
+        t0, syncs0 = b[(w, name)]
+        rel = (t / a[(w, "adamw-foreach")][0]) / (t0 / b[(w, "adamw-foreach")][0])
+        lines.append(f"| {w} | {name} | {t * 1e3:.2f} | {t0 * 1e3:.2f} | {t / t0:.2f}x | {rel:.2f}x | {syncs}, {syncs0} |")
+    text = "\n".join([
+        f"This script's model ({args.layers} layers x 7 `Linear({args.dim}, {args.dim})`, the rows of the section "
+        f"above), run {args.rounds} times on this commit's swan_dist and {args.rounds} times on commit "
+        f"{args.against}'s, in turn; per row the best of the rounds' median step times. A ratio under 1 is this "
+        "commit faster. Host reads: torch.Tensor's value-reading methods in one step, anyone's (torch's foreach "
+        "AdamW reads its CPU step counters).", "", *lines])
+    print(text)
+    if not args.no_write:
+        kind = torch.device(args.device).type
+        write_section(f"lean-step-{kind}-against", f"Lean step ({kind.upper()}): this commit against {args.against}",
+                      text)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .adapter import Piece
-from .collectives import all_gather, all_reduce_max, gather_objects, host_tensor, is_fake
+from .collectives import all_gather, all_reduce_max, assemble, gather_objects, host_tensor, is_fake
 from .functional import _compile_wanted, resolve_dtype
 from .records import Descriptor, Entry, GradCode
 from .rules import SCALAR_KEYS
@@ -157,7 +157,17 @@ def _crc(obj) -> int:
 
 def scalar_rows(groups: Sequence[dict]) -> list[tuple]:
     """Per param group, its scalar options as compared between ranks."""
-    return [tuple((k, repr(g.get(k))) for k in SCALAR_KEYS) for g in groups]
+    return [tuple((k, _shown(g.get(k))) for k in SCALAR_KEYS) for g in groups]
+
+
+def _shown(value) -> str:
+    """An option as compared between ranks; a tensor (``lr`` with ``capturable=True``) by its kind only,
+    its value never read in the step (every rank's scheduler sets it alike)."""
+    if isinstance(value, Tensor):
+        return f"<tensor {value.dtype}>"
+    if isinstance(value, (tuple, list)):
+        return repr(tuple(_shown(v) if isinstance(v, Tensor) else v for v in value))
+    return repr(value)
 
 
 def scalar_hash(groups: Sequence[dict]) -> int:
@@ -288,28 +298,47 @@ def grad_codes(pieces: list[Piece], device: torch.device | None) -> Tensor:
     """Per piece its :class:`GradCode` (none, finite, NaN/Inf) as an int32 tensor on ``device`` (the
     communication device; the CPU without one), computed without a device sync: one foreach reduction
     per device and dtype (:func:`_finite`)."""
-    out = torch.zeros(len(pieces), dtype=torch.int32, device=device or "cpu")
+    device = torch.device(device or "cpu")
     by_kind: defaultdict = defaultdict(list)
     for i, pc in enumerate(pieces):
         g = pc.grad
         if g is not None:
             by_kind[(g.device, g.dtype, g.layout is torch.strided and g.numel() > 0)].append((i, g))
+    parts = []
     for (_, _, foreach), items in by_kind.items():
         grads = [g for _, g in items]
         # empty or sparse gradients: one check each
         finite = _finite(grads) if foreach else torch.stack([g.isfinite().all() for g in grads])
-        codes = int(GradCode.NONFINITE) - finite.to(out.device, torch.int32)  # FINITE where finite
+        codes = int(GradCode.NONFINITE) - finite.to(device, torch.int32)  # FINITE where finite
         if len(items) == len(pieces):
             return codes
-        out[host_tensor([i for i, _ in items], torch.int64, out.device)] = codes
-    return out
+        parts.append(([i for i, _ in items], codes))
+    return assemble(len(pieces), parts, torch.zeros((), dtype=torch.int32, device=device))  # NONE elsewhere
 
 
 def _finite(grads: list[Tensor]) -> Tensor:
     """Whether each gradient (strided, non-empty, all on one device with one dtype) is all finite, as a
     bool tensor on that device, with no host read. On an accelerator: one foreach max-abs reduction,
     which NaN and Inf survive and finite values never overflow. On the CPU (where a max-abs reduction is
-    several times slower): each gradient's min and max, which NaN and Inf reach alike."""
+    several times slower): each gradient's min and max, which NaN and Inf reach alike; small gradients of
+    one size stacked and reduced together (one call for many, as the foreach kernel does)."""
     if grads[0].device.type != "cpu":
         return torch.stack(torch._foreach_norm(grads, float("inf"))).isfinite()
-    return torch.stack([torch.stack(torch.aminmax(g.reshape(-1))) for g in grads]).isfinite().all(1)
+    parts, small, big = [], defaultdict(list), []
+    for i, g in enumerate(grads):
+        (small[g.numel()] if g.numel() <= _SMALL else big).append(i)
+    for n, idx in small.items():
+        per = max(1, _STACK // n)
+        for k in range(0, len(idx), per):
+            chunk = idx[k:k + per]
+            lo, hi = torch.stack([grads[i].reshape(-1) for i in chunk]).aminmax(dim=1)
+            parts.append((chunk, lo.isfinite() & hi.isfinite()))
+    if big:
+        parts.append((big, torch.stack([torch.stack(torch.aminmax(grads[i].reshape(-1))) for i in big]).isfinite().all(1)))
+    if len(parts) == 1 and parts[0][0] == list(range(len(grads))):
+        return parts[0][1]
+    return assemble(len(grads), parts, torch.zeros((), dtype=torch.bool))
+
+
+# CPU finite check: gradients of at most _SMALL elements are stacked by size, _STACK elements per stack
+_SMALL, _STACK = 1 << 16, 1 << 22

@@ -20,6 +20,7 @@ the main thread. In the common case the worker has let go already and nothing is
 from __future__ import annotations
 
 import atexit
+import functools
 import time
 from typing import Any, Sequence
 
@@ -37,7 +38,7 @@ def is_fake(t: Tensor) -> bool:
     return isinstance(t, FakeTensor)
 
 
-__all__ = ["is_fake", "all_reduce_max", "host_tensor", "all_gather", "gather_objects", "start_all_to_all", "Transfer", "counts", "settle", "pending", "drain",
+__all__ = ["is_fake", "all_reduce_max", "host_tensor", "pick", "assemble", "all_gather", "gather_objects", "start_all_to_all", "Transfer", "counts", "settle", "pending", "drain",
            "served_devices", "comm_device"]
 
 _PENDING: list[tuple[Tensor, int]] = []  # (tensor, its use count before the collective)
@@ -110,6 +111,43 @@ def host_tensor(values: Sequence, dtype: torch.dtype, device: torch.device | str
     if device.type == "cpu":
         return t
     return t.pin_memory().to(device, non_blocking=True)
+
+
+def pick(t: Tensor, idx: Sequence[int]) -> Tensor:
+    """``t[idx]`` for host indices, sending nothing from the host in a steady step: a slice where ``idx`` is
+    a run of consecutive indices, else a gather by an index tensor made once per index list and device and
+    kept (:func:`_index`; a CUDA graph can hold the gather, not a copy of a host list made every step)."""
+    if not idx:
+        return t[:0]
+    a = idx[0]
+    if idx[-1] - a == len(idx) - 1 and all(i == a + k for k, i in enumerate(idx)):
+        return t[a:a + len(idx)]
+    if type(t) is not Tensor:  # a trace (FakeTensorMode) or a subclass: views, nothing kept
+        return torch.stack([t[i] for i in idx])
+    return t[_index(tuple(idx), t.device)]
+
+
+def assemble(n: int, parts: Sequence[tuple[Sequence[int], Tensor]], fill: Tensor) -> Tensor:
+    """A tensor of ``n`` rows: row ``i`` of ``parts``' ``values`` where ``i`` is in its ``idx`` (each a
+    ``(idx, values)`` pair), ``fill`` (0-d, same dtype and device) elsewhere; as :func:`pick`, with index
+    tensors made once."""
+    if type(fill) is not Tensor:
+        rows = [fill] * n
+        for idx, values in parts:
+            for i, v in zip(idx, values.unbind(0)):
+                rows[i] = v
+        return torch.stack(rows)
+    out = fill.expand(n).clone()
+    for idx, values in parts:
+        out[_index(tuple(idx), out.device)] = values
+    return out
+
+
+@functools.lru_cache(maxsize=4096)
+def _index(idx: tuple[int, ...], device: torch.device) -> Tensor:
+    """An int64 index tensor of ``idx`` on ``device``, made once (a pinned copy sent without blocking) and
+    kept for every later step with the same indices (a plan's, fixed between plan changes)."""
+    return host_tensor(idx, torch.int64, device)
 
 
 def all_gather(tensor: Tensor, group) -> Tensor:

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .agreement import Hashes, StepAgreement, agree, gather_names, nonfinite_grads, nonfinite_update, raise_rank_failure
-from .collectives import all_reduce_max, comm_device, host_tensor, is_fake
+from .collectives import all_reduce_max, comm_device, is_fake, pick
 from .records import Entry, GradCode
 from .rules import Missed, run_fallbacks
 from .whitening import Plans, explain, whiten_local
@@ -101,8 +101,21 @@ class Report:
             self.event = torch.cuda.Event()
             self.event.record()
 
+    @classmethod
+    def of(cls, counts: Tensor, named: list[tuple[str, str]], codes: Tensor, missed: Missed, now: bool) -> Report:
+        """The step's report; a step captured in a CUDA graph copies nothing (its counts stay on the device,
+        rewritten by each replay, and are read when asked: :meth:`resolve`)."""
+        if counts.is_cuda and not now and torch.cuda.is_current_stream_capturing():
+            report = cls.__new__(cls)
+            report.named, report.codes, report.missed, report.event, report.host = named, codes, missed, None, counts
+            report.lazy = True
+            return report
+        return cls(counts, named, codes, missed, now)
+
+    lazy = False  # counts on the device, read only when asked
+
     def ready(self) -> bool:
-        return self.event is None or self.event.query()
+        return not self.lazy and (self.event is None or self.event.query())
 
     def resolve(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
         """(skipped for a non-finite gradient, whose update was not finite)."""
@@ -168,7 +181,7 @@ def _run(entries: list[Entry], ctx: StepContext, memo: EngineMemo, groups: Seque
     wanted = agreed.codes == int(GradCode.FINITE)
     strict = [i for i, (_, mode) in enumerate(named) if mode != "skip"]
     if strict:  # skip_step / raise: a non-finite gradient there leaves the whole step out
-        wanted &= ~(agreed.codes[host_tensor(strict, torch.int64, wanted.device)] == int(GradCode.NONFINITE)).any()
+        wanted &= ~(pick(agreed.codes, strict) == int(GradCode.NONFINITE)).any()
     if agreed.held is not None:
         wanted &= agreed.held
     missed = Missed()
@@ -185,7 +198,7 @@ def _run(entries: list[Entry], ctx: StepContext, memo: EngineMemo, groups: Seque
         if is_fake(counts):  # a trace (FakeTensorMode): no values to report
             return StepResult(whitened, (), (), None)
         now = any(mode == "raise" for _, mode in named)  # that option's price: one read per step
-        report = Report(counts, named, agreed.codes, missed, now)
+        report = Report.of(counts, named, agreed.codes, missed, now)
         return StepResult(whitened, *report.resolve(), None) if now else StepResult(whitened, (), (), None, report)
     return _close(ctx, memo, late.error or failure, agreed, counts, named, missed, whitened, defer)
 
@@ -205,7 +218,7 @@ def _update(entries: list[Entry], key: tuple | None, ctx: StepContext, memo: Eng
             return 0
         idx = [i for i, e in enumerate(entries[:swan]) if e.piece.grad is not None]
         mine = [entries[i] for i in idx]
-        return whiten_local(mine, wanted[host_tensor(idx, torch.int64, wanted.device)] if mine else wanted, missed)
+        return whiten_local(mine, pick(wanted, idx) if mine else wanted, missed)
     if wanted is not None:
         memo.swan = swan
     if not memo.swan:  # the agreed structure has no matrix: every rank returns here or none does
@@ -252,7 +265,7 @@ def _close(ctx: StepContext, memo: EngineMemo, late: BaseException | None, agree
            named: list[tuple[str, str]], missed: Missed, whitened: int, defer: bool) -> StepResult | None:
     """The step's last collective, and (unless ``defer``) its one host read: :meth:`Closing.outcome`."""
     held = torch.ones((), dtype=torch.bool, device=counts.device) if agreed.held is None else agreed.held
-    flags = host_tensor([int(late is not None)], torch.int32, counts.device)
+    flags = torch.full((1,), int(late is not None), dtype=torch.int32, device=counts.device)
     status = torch.cat([flags, (~held).to(torch.int32).reshape(1), counts])
     if is_fake(status):  # a fake step (torch's fake process group): no values cross, nothing to read
         if late is not None:

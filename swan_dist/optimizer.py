@@ -151,6 +151,15 @@ def _held(value: Any) -> Any:
     return value.detach().clone() if isinstance(value, Tensor) else value
 
 
+def _on_device(lr: Any, params: list) -> Tensor:
+    """``lr`` as the 0-d fp32 tensor ``capturable=True`` keeps, on ``params``' device (the CPU without
+    any): made once, then updated in place by schedulers (torch's LRScheduler fills a tensor lr)."""
+    device = params[0].device if params else torch.device("cpu")
+    if isinstance(lr, Tensor):
+        return lr if lr.device == device and lr.dim() == 0 else lr.detach().reshape(()).to(device, torch.float32)
+    return torch.tensor(float(lr), dtype=torch.float32, device=device)
+
+
 def _rank0() -> bool:
     return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
 
@@ -220,6 +229,11 @@ class SWAN(torch.optim.Optimizer):
             steps what backward left. One process, or FSDP2 / HSDP (pass the model: each FSDP module's
             parameters are stepped once reduced). Refused under DDP, DeepSpeed, FSDP1 and Megatron; global
             gradient clipping and pipeline parallelism cannot follow it (docs/optimizer.md).
+        capturable: keep each param group's ``lr`` as a 0-d fp32 tensor on its parameters' device (torch.optim's
+            name and meaning): an lr scheduler fills it in place (torch's ``LRScheduler`` does for a tensor lr),
+            the step reads no option on the host and sends nothing from it, so a steady step in one process can
+            be captured in a CUDA graph and replayed (docs/optimizer.md, "Capturing the step"). ``alpha``,
+            ``weight_decay``, ``betas`` and ``eps`` stay numbers: a graph holds them as they were at capture.
     """
 
     def __init__(
@@ -251,6 +265,7 @@ class SWAN(torch.optim.Optimizer):
         split_fused: bool = True,
         step_in_backward: bool = False,
         model: nn.Module | None = None,
+        capturable: bool = False,
     ) -> None:
         self.preset, defaults = _defaults(preset, dict(
             lr=lr, alpha=alpha, whitening=whitening, ns_steps=ns_steps, beta=beta, grad_norm=grad_norm,
@@ -262,6 +277,9 @@ class SWAN(torch.optim.Optimizer):
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) or not 0 < bucket_mb < float("inf"):
             raise ValueError(f"swan_dist: bucket_mb must be a positive number of MB, got {bucket_mb!r}")
+        if not isinstance(capturable, bool):
+            raise TypeError(f"swan_dist: capturable must be True or False, got {capturable!r}")
+        self.capturable = capturable  # each group's lr a 0-d tensor on its parameters' device
         self.mode, self.bucket_mb, self.process_group = mode, float(bucket_mb), process_group
         self._memos: dict[object, EngineMemo] = {}  # per set of entries stepped: agreement, hashes, plans
         self._include, self._exclude = list(include or ()), list(exclude or ())
@@ -291,7 +309,7 @@ class SWAN(torch.optim.Optimizer):
     # rebuilt on the next step; a process group cannot be copied (a copy uses the default group
     # until ``process_group`` is set again).
     _PICKLED = ("preset", "mode", "bucket_mb", "_include", "_exclude", "_rows", "_origin", "nonfinite_skips",
-                "whitened_matrices", "_packed", "_forms", "_steps")
+                "whitened_matrices", "_packed", "_forms", "_steps", "capturable")
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
@@ -303,7 +321,7 @@ class SWAN(torch.optim.Optimizer):
         # unpickling: absent, so defaults; torch's load_state_dict also calls this: keep what is set
         for key, make in (("process_group", lambda: None), ("_memos", dict), ("_collector", Collector),
                           ("_forms", dict), ("_in_backward", lambda: None), ("_steps", int), ("_step_log", StepLog),
-                          ("_last", lambda: None)):
+                          ("_last", lambda: None), ("capturable", lambda: False)):
             if key not in self.__dict__:
                 self.__dict__[key] = make()
         origin = self.__dict__.get("_origin")
@@ -350,6 +368,8 @@ class SWAN(torch.optim.Optimizer):
                 g = {**group, "params": ps, "use_swan": use}
                 if not use and group["fallback_lr"] is not None:
                     g["lr"] = group["fallback_lr"]
+                if self.capturable:
+                    g["lr"] = _on_device(g["lr"], ps)
                 if names is not None:
                     g["param_names"] = ns
                 super().add_param_group(g)
@@ -405,6 +425,9 @@ class SWAN(torch.optim.Optimizer):
             state_dict = state_from_adamw(self, state_dict)
         super().load_state_dict(state_dict)
         import_states(self.state, self.param_groups, self._packed)
+        if self.capturable:  # an lr saved as a number or on another device: where this run keeps it
+            for g in self.param_groups:
+                g["lr"] = _on_device(g["lr"], g["params"])
 
     # ------------------------------------------------------------------ step
     @torch.no_grad()
@@ -453,6 +476,9 @@ class SWAN(torch.optim.Optimizer):
         step, log, rates = last
         if log.pending():
             self.poll_reports(wait=True)
+            for r in log.reports:  # a step captured in a CUDA graph: its counts as the last replay left them
+                if not hasattr(r, "outcome"):
+                    r.outcome = r.resolve()
         self._last = log.record(step, rates)
         return self._last
 
@@ -496,7 +522,7 @@ class SWAN(torch.optim.Optimizer):
         self._step_log.add(result.whitened, result.skipped, result.nonfinite, result.report)
         if result.failure is not None:
             raise result.failure
-        if result.report is not None:
+        if result.report is not None and not result.report.lazy:  # (a captured step's: read when asked)
             self.__dict__.setdefault("_reports", []).append(result.report)
         if result.closing is not None:
             self.__dict__.setdefault("_closings", []).append(result.closing)

@@ -15,7 +15,7 @@ from torch import Tensor
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from .adapter import adapter_for
-from .collectives import gather_objects, host_tensor
+from .collectives import gather_objects, pick
 from .exchange import Exchange
 from .functional import WhitenConfig, swan_update, whiten_flops
 from .layout import matrices_in, part_shapes, update_canonical
@@ -90,7 +90,7 @@ def whiten_local(entries: Sequence[Entry], wanted: Tensor, missed: Missed) -> in
             rows = chunk[0].piece.grad.unsqueeze(0) if len(chunk) == 1 else torch.stack([e.piece.grad for e in chunk])
             upd, ok = update_canonical(rows, [e.record.layout for e in chunk], shape, split,
                                        lambda x: swan_compute(x, cfg))
-            want = wanted[idx[0]:idx[0] + 1] if len(idx) == 1 else wanted[host_tensor(idx, torch.int64, wanted.device)]
+            want = pick(wanted, idx)
             want = want.to(ok.device)
             missed.add([e.record.name for e in chunk], want & ~ok)
             apply_stack([e.group for e in chunk], [e.piece.param for e in chunk], upd, want & ok)

@@ -49,8 +49,10 @@ def _reads(model, opt, rank=0, in_backward=False):
 
 
 @pytest.mark.parametrize("options", [{}, {"step_in_backward": True}, {"nonfinite": "skip_step"},
-                                     {"fallback": "sign"}, {"nonfinite": "raise"}],
-                         ids=["ordinary", "in_backward", "skip_step", "sign", "raise"])
+                                     {"fallback": "sign"}, {"nonfinite": "raise"}, {"capturable": True},
+                                     {"capturable": True, "step_in_backward": True}],
+                         ids=["ordinary", "in_backward", "skip_step", "sign", "raise", "capturable",
+                              "capturable_in_backward"])
 def test_one_process_reads_nothing(options):
     model = _model()
     opt = SWAN(model, preset="swan_ddagger", lr=0.01, verbose=False, **options)

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..collectives import Transfer, host_tensor, start_all_to_all
+from ..collectives import Transfer, pick, start_all_to_all
 from ..layout import matrices_in, update_canonical
 from ..plan import Plan
 from .schedule import MAX_PHASES, PHASE_BYTES, Splits, Step, build_steps
@@ -215,7 +215,7 @@ class Exchange:
             slots = [(m, s) for m, ss in st.updates_in.items() if m not in skip for s in ss]
             if not slots:
                 return
-            flags = (recv[host_tensor([s.flag for _, s in slots], torch.int64, recv.device)] == 1.0).unbind(0)
+            flags = (pick(recv, [s.flag for _, s in slots]) == 1.0).unbind(0)
             for (m, (lo, hi, off, _)), flag in zip(slots, flags):
                 on_update(m, recv[off: off + hi - lo], flag)
         except Exception as e:  # noqa: BLE001 - kept for the caller

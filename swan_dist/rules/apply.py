@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..collectives import pick
+
 __all__ = ["factors", "apply_one", "apply_many", "apply_stack", "Missed", "Pending", "foreach_scalar"]
 
 
@@ -22,25 +24,49 @@ def foreach_scalar(value: float, like: Tensor) -> float | Tensor:
     return value
 
 
-def factors(group: dict) -> tuple[float, float]:
-    """(lr·α, 1 − lr·α·wd) of a SWAN group: ``p ← p·decay − lr·α·ΔW``."""
-    lr = float(group["lr"]) * float(group["alpha"])
-    return lr, 1.0 - lr * float(group["weight_decay"])
+def factors(group: dict) -> tuple[float | Tensor, float | Tensor | None]:
+    """(lr·α, 1 − lr·α·wd) of a SWAN group: ``p ← p·decay − lr·α·ΔW``; the decay ``None`` where there is
+    none. Where an option is a tensor (``capturable=True`` keeps ``lr`` on the device) both are 0-d
+    tensors, computed on the device: the step never reads them on the host."""
+    lr, alpha, wd = group["lr"], group["alpha"], group["weight_decay"]
+    if isinstance(lr, Tensor) or isinstance(alpha, Tensor) or isinstance(wd, Tensor):
+        eff = lr * alpha if isinstance(lr, Tensor) else alpha * lr
+        return eff, None if not isinstance(wd, Tensor) and wd == 0 else 1.0 - eff * wd
+    eff = float(lr) * float(alpha)
+    decay = 1.0 - eff * float(wd)
+    return eff, None if decay == 1.0 else decay
+
+
+def _scale_add(params: list[Tensor], updates: list[Tensor], eff: float | Tensor) -> None:
+    """``p ← p − eff·u`` over the lists; with ``eff`` a tensor the updates are scaled in place first."""
+    if isinstance(eff, Tensor):
+        torch._foreach_mul_(updates, -eff.to(updates[0].device))
+        torch._foreach_add_(params, updates)
+    else:
+        torch._foreach_add_(params, updates, alpha=-eff)
+
+
+def _decay(params: list[Tensor], decay: float | Tensor) -> None:
+    """``p ← p·decay`` over the lists."""
+    torch._foreach_mul_(params, decay.to(params[0].device) if isinstance(decay, Tensor)
+                        else foreach_scalar(decay, params[0]))
 
 
 def apply_one(group: dict, param: Tensor, update: Tensor) -> None:
-    lr, decay = factors(group)
-    if decay != 1.0:
-        param.mul_(decay)
-    param.add_(update.to(param.device, param.dtype), alpha=-lr)
+    eff, decay = factors(group)
+    if decay is not None:
+        _decay([param], decay)
+    _scale_add([param], [update.to(param.device, param.dtype)], eff)
 
 
-def _decay_masked(params: list[Tensor], decay: float, ok: Tensor) -> None:
+def _decay_masked(params: list[Tensor], decay: float | Tensor, ok: Tensor) -> None:
     """``p ← p·decay`` where ``ok``, unchanged elsewhere (one bool per param, on their device). fp32/fp64:
     a multiply by the factor in the parameter's precision (as the unmasked step); narrower dtypes:
     ``p + p·(decay − 1)``, the factor's rounding in that dtype costing a relative 2⁻⁹ of the decay, not of
     the weight."""
     dtype = params[0].dtype
+    if isinstance(decay, Tensor):
+        decay = decay.to(ok.device)
     if dtype in (torch.float32, torch.float64):
         torch._foreach_mul_(params, list(torch.where(ok, decay, 1.0).to(dtype).unbind(0)))
     else:
@@ -51,20 +77,21 @@ def apply_many(group: dict, params: list[Tensor], updates: list[Tensor], ok: Ten
     """:func:`apply_one` for many same-device, same-dtype params and updates, with foreach kernels; with
     ``ok`` (a bool per param, on their device) only where it is set. The updates must be finite (the
     engine zeroes what is not) and may be scaled in place."""
-    lr, decay = factors(group)
+    eff, decay = factors(group)
     if ok is not None:
         torch._foreach_mul_(updates, list(ok.to(updates[0].dtype).unbind(0)))
-        if decay != 1.0:
+        if decay is not None:
             _decay_masked(params, decay, ok)
-    elif decay != 1.0:
-        torch._foreach_mul_(params, foreach_scalar(decay, params[0]))
-    torch._foreach_add_(params, updates, alpha=-lr)
+    elif decay is not None:
+        _decay(params, decay)
+    _scale_add(params, updates, eff)
 
 
 def apply_stack(groups: list[dict], params: list[Tensor], rows: Tensor, ok: Tensor | None = None) -> None:
     """Row j of ``rows`` is the flat update of ``params[j]`` (of group ``groups[j]``): applied per
     (group, device, dtype) with foreach kernels, the update cast once per stack as :func:`apply_one`
-    casts each; with ``ok`` (a bool per row) only the rows where it is set."""
+    casts each; with ``ok`` (a bool per row) only the rows where it is set. ``rows`` may be scaled in
+    place."""
     sets: dict[tuple, tuple[dict, list[int]]] = {}
     for j, (g, p) in enumerate(zip(groups, params)):
         sets.setdefault((id(g), p.device, p.dtype), (g, []))[1].append(j)
@@ -76,14 +103,14 @@ def apply_stack(groups: list[dict], params: list[Tensor], rows: Tensor, ok: Tens
         if u is None:
             u = cast[(dev, dt)] = rows.to(dev, dt)
         whole = len(js) == len(params)
-        mask = None if ok is None else (ok if whole else ok[torch.tensor(js, device=ok.device)]).to(dev)
-        lr, decay = factors(g)
+        mask = None if ok is None else (ok if whole else pick(ok, js)).to(dev)
+        eff, decay = factors(g)
         ps = [params[j] for j in js]
-        if mask is not None and decay != 1.0:
+        if mask is not None and decay is not None:
             _decay_masked(ps, decay, mask)
-        elif decay != 1.0:
-            torch._foreach_mul_(ps, foreach_scalar(decay, ps[0]))
-        torch._foreach_add_(ps, list(u.unbind(0)) if whole else [u[j] for j in js], alpha=-lr)
+        elif decay is not None:
+            _decay(ps, decay)
+        _scale_add(ps, list(u.unbind(0)) if whole else [u[j] for j in js], eff)
 
 
 class Missed:

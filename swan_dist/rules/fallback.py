@@ -26,7 +26,8 @@ else:  # pragma: no cover - older torch, run by launch/compat.sh
     from torch.optim.adamw import adamw as _adamw_functional
 
 from ..adapter import PLAIN, Piece, local_of
-from .apply import _decay_masked, foreach_scalar
+from ..collectives import pick
+from .apply import _decay, _decay_masked, _scale_add
 
 __all__ = ["run_fallback", "run_fallbacks"]
 
@@ -98,9 +99,10 @@ def _adamw(state: dict, group: dict, pieces: list[Piece], skip: Tensor | None) -
         if type(targets[0]) in PLAIN + (FakeTensor,) and type(grads[0]) in PLAIN + (FakeTensor,):
             grads = [g if g.dtype == t.dtype and g.is_contiguous() else g.to(t.dtype).contiguous()
                      for t, g in zip(targets, grads)]
-        kw = dict(amsgrad=False, beta1=b1, beta2=b2, lr=float(group["lr"]),
+        lr = group["lr"] if isinstance(group["lr"], Tensor) else float(group["lr"])
+        kw = dict(amsgrad=False, beta1=b1, beta2=b2, lr=lr,
                   weight_decay=float(group["weight_decay"]), eps=float(group["eps"]), maximize=False)
-        if _fusable(targets, grads, m, v, st):
+        if _fusable(targets, grads, m, v, st):  # a tensor lr as it is (the kernel reads it on the device)
             if skip is None or skip.dim() == 0:
                 _adamw_functional(targets, grads, m, v, [], st, fused=True, found_inf=skip, **kw)
                 continue
@@ -110,6 +112,11 @@ def _adamw(state: dict, group: dict, pieces: list[Piece], skip: Tensor | None) -
                                   fused=True, found_inf=skip[i], **kw)
             continue
         saved = None if skip is None else [[x.clone() for x in xs] for xs in (targets, m, v, st)]
+        if isinstance(lr, Tensor):  # torch's foreach AdamW takes a tensor lr only as capturable (not on the CPU)
+            if lr.device.type == "cpu":
+                kw["lr"] = float(lr)
+            else:
+                kw["capturable"] = True
         _adamw_functional(targets, grads, m, v, [], st, foreach=True, **kw)
         if saved is not None:
             pos = {id(pc): i for i, pc in enumerate(pieces)}
@@ -122,35 +129,44 @@ def _adamw(state: dict, group: dict, pieces: list[Piece], skip: Tensor | None) -
 def _stateless(group: dict, pieces: list[Piece], sign: bool, skip: Tensor | None) -> None:
     """``t ← t·(1 − lr·wd) − lr·d`` with ``d`` the gradient's sign (``sign``) or the gradient (``sgd``);
     where ``skip`` (as :func:`_adamw`'s) is set the target is left unchanged."""
-    lr, wd = float(group["lr"]), float(group["weight_decay"])
+    lr, wd = group["lr"], group["weight_decay"]
+    lr = lr if isinstance(lr, Tensor) else float(lr)
+    decay = None if not isinstance(wd, Tensor) and wd == 0 else 1.0 - lr * wd  # a tensor where lr is one
     for kind in _kinds(pieces):
         targets, grads = local_of(kind[0].target, [pc.target for pc in kind], [pc.target_grad for pc in kind])
         keep = None
         if skip is not None:
             pos = {id(pc): i for i, pc in enumerate(pieces)}
-            keep = (skip == 0).expand(len(kind)) if skip.dim() == 0 else (skip[[pos[id(pc)] for pc in kind]] == 0)
+            keep = (skip == 0).expand(len(kind)) if skip.dim() == 0 else (pick(skip, [pos[id(pc)] for pc in kind]) == 0)
             keep = keep.to(targets[0].device)
             grads = [torch.where(k, g, 0) for k, g in zip(keep.unbind(0), grads)]  # no NaN reaches a target
         if type(targets[0]) not in PLAIN or type(grads[0]) not in PLAIN:  # (a subclass: one at a time)
             for j, (t, g) in enumerate(zip(targets, grads)):
-                if wd:
+                if decay is not None:
                     if keep is None:
-                        t.mul_(1.0 - lr * wd)
+                        t.mul_(decay)
                     else:
-                        _decay_masked([t], 1.0 - lr * wd, keep[j:j + 1])
-                t.add_(g.sign() if sign else g, alpha=-lr)
+                        _decay_masked([t], decay, keep[j:j + 1])
+                d = g.sign() if sign else g
+                if isinstance(lr, Tensor):
+                    t.sub_(d * lr.to(d.device))
+                else:
+                    t.add_(d, alpha=-lr)
             continue
-        if wd:
+        if decay is not None:
             if keep is None:
-                torch._foreach_mul_(targets, foreach_scalar(1.0 - lr * wd, targets[0]))
+                _decay(targets, decay)
             else:
-                _decay_masked(targets, 1.0 - lr * wd, keep)
-        if not sign:
+                _decay_masked(targets, decay, keep)
+        budget = _SIGN_CPU_BYTES if grads[0].device.type == "cpu" else _SIGN_BYTES
+        if not sign and not isinstance(lr, Tensor):
             torch._foreach_add_(targets, grads, alpha=-lr)
             continue
-        budget = _SIGN_CPU_BYTES if grads[0].device.type == "cpu" else _SIGN_BYTES
-        for ts, gs in _chunks(targets, grads, budget):  # the signs made at most ``budget`` bytes at a time
-            torch._foreach_add_(ts, torch._foreach_sign(gs), alpha=-lr)
+        for ts, gs in _chunks(targets, grads, budget):  # signs (or lr·g) made at most ``budget`` bytes at a time
+            if sign:
+                _scale_add(ts, torch._foreach_sign(gs), lr)
+            else:  # lr a tensor
+                torch._foreach_add_(ts, torch._foreach_mul(gs, -lr.to(gs[0].device)))
 
 
 # The sign rule's signs are new tensors: made and applied in chunks of at most this many bytes (the bounds
@@ -198,7 +214,7 @@ def run_fallbacks(state: dict, groups: list[dict], entries: list, skip: set[int]
     for g in groups:
         if todo.get(id(g)):
             idx = todo[id(g)]
-            mask = None if wanted is None else (~wanted[torch.tensor(idx, device=wanted.device)]).float()
+            mask = None if wanted is None else (~pick(wanted, idx)).float()
             run_fallback(state, g, [entries[i].piece for i in idx], mask)
 
 

@@ -26,28 +26,34 @@ def whiten_config(group: dict) -> WhitenConfig:
     )
 
 
-def _real(group: dict, key: str, low: float = 0.0, high: float = math.inf, open_high: bool = False) -> None:
+def _real(group: dict, key: str, low: float = 0.0, high: float = math.inf, open_high: bool = False,
+          read: bool = True) -> None:
+    """``group[key]`` is a real number in range; a tensor's value is checked only where ``read`` (a host
+    read: at construction, not in the step, where ``capturable=True`` keeps ``lr`` on the device)."""
     value = group[key]
     if isinstance(value, bool) or not isinstance(value, (numbers.Real, Tensor)) or (
             isinstance(value, Tensor) and (value.numel() != 1 or value.is_complex())):
         raise TypeError(f"swan_dist: {key} must be a real number, got {value!r} ({type(value).__name__})")
+    if isinstance(value, Tensor) and not read:
+        return
     v = float(value)
     if not math.isfinite(v) or v < low or v > high or (open_high and v >= high):
         bound = f"[{low}, {high})" if open_high else f"[{low}, {high}]" if math.isfinite(high) else f">= {low}"
         raise ValueError(f"swan_dist: {key} must be finite and {bound}, got {value!r}")
 
 
-def check_scalars(group: dict) -> None:
+def check_scalars(group: dict, read: bool = False) -> None:
     """Raise ``ValueError``/``TypeError`` naming the key if a scalar option is not a finite number in its
     range (lr, alpha, weight_decay, eps >= 0; each beta in [0, 1)), or ``nonfinite`` is unknown. Cheap:
-    called for every group at every step, before anything is updated (a scheduler may set them)."""
+    called for every group at every step, before anything is updated (a scheduler may set them); a
+    tensor's value only where ``read``."""
     for key in ("lr", "alpha", "weight_decay", "eps"):
-        _real(group, key)
+        _real(group, key, read=read)
     betas = group["betas"]
     if not isinstance(betas, (tuple, list)) or len(betas) != 2:
         raise TypeError(f"swan_dist: betas must be a pair (beta1, beta2), got {betas!r}")
     for i, b in enumerate(betas):
-        _real({f"betas[{i}]": b}, f"betas[{i}]", 0.0, 1.0, open_high=True)
+        _real({f"betas[{i}]": b}, f"betas[{i}]", 0.0, 1.0, open_high=True, read=read)
     if group["nonfinite"] not in NONFINITE:
         raise ValueError(f"swan_dist: nonfinite must be one of {NONFINITE}, got {group['nonfinite']!r}")
 
@@ -64,5 +70,5 @@ def check_group(group: dict) -> None:
         raise ValueError(f"fallback must be one of {FALLBACKS}, got {group['fallback']!r}")
     if not isinstance(group.get("split_fused", True), bool):
         raise ValueError(f"split_fused must be True or False, got {group['split_fused']!r}")
-    check_scalars(group)
+    check_scalars(group, read=True)
 

@@ -1,0 +1,192 @@
+"""SWAN(..., capturable=True): each group's lr a 0-d tensor on its parameters' device, filled in place by an
+lr scheduler; the step equal to the ordinary one, reading nothing on the host and sending nothing from it
+(no tensor built from host values in a steady step: what a CUDA graph cannot hold); checkpoints between
+the two kinds; torch.compile(opt.step) without a recompile per lr change; and, where CUDA is present, a
+captured step replayed equal to eager."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from swan_dist import SWAN
+from swan_dist.host_reads import HostReads
+from swan_dist.reference.model import Llama, model_config
+
+
+def _model(dtype=torch.float32, device="cpu"):
+    torch.manual_seed(0)
+    cfg = model_config("tiny", dim=32, n_layers=2, n_heads=2, vocab_size=64, max_seq_len=16)
+    return Llama(cfg).to(device=device, dtype=dtype)
+
+
+def _batch(t, device="cpu"):
+    torch.manual_seed(100 + t)
+    return torch.randint(0, 64, (2, 16), device=device)
+
+
+def _train(model, opt, steps, hook=None):
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 1.0 / (1 + t))
+    for t in range(steps):
+        opt.zero_grad()
+        model(_batch(t)).float().logsumexp(-1).mean().backward()
+        if hook is not None and t >= 2:
+            with hook():
+                opt.step()
+                sched.step()
+        else:
+            opt.step()
+            sched.step()
+
+
+class _HostValues:
+    """Counts tensors made from host values (torch.tensor / as_tensor, a pinned copy): each is a copy
+    from the host a CUDA graph cannot replay with new values."""
+
+    def __enter__(self):
+        self.n, self._saved = 0, (torch.tensor, torch.as_tensor, torch.Tensor.pin_memory)
+
+        def counted(f):
+            def wrapped(*a, **k):
+                self.n += 1
+                return f(*a, **k)
+            return wrapped
+        torch.tensor, torch.as_tensor = counted(torch.tensor), counted(torch.as_tensor)
+        torch.Tensor.pin_memory = counted(torch.Tensor.pin_memory)
+        return self
+
+    def __exit__(self, *exc):
+        torch.tensor, torch.as_tensor, torch.Tensor.pin_memory = self._saved
+
+
+OPTIONS = [dict(weight_decay=0.1), dict(fallback="sign", weight_decay=0.1), dict(fallback="sgd"),
+           dict(fallback_lr=0.003, nonfinite="skip_step"), dict(step_in_backward=True, weight_decay=0.1)]
+
+
+@pytest.mark.parametrize("options", OPTIONS, ids=["adamw", "sign", "sgd", "fallback_lr", "in_backward"])
+def test_capturable_equals_the_ordinary_step(options):
+    ref, cap = _model(), _model()
+    o_ref = SWAN(ref, lr=0.01, verbose=False, **options)
+    o_cap = SWAN(cap, lr=0.01, verbose=False, capturable=True, **options)
+    lrs = [g["lr"] for g in o_cap.param_groups]
+    assert all(isinstance(lr, torch.Tensor) and lr.dim() == 0 for lr in lrs)
+    reads, made = [], []
+
+    def counted():
+        class Both:
+            def __enter__(self):
+                self.r, self.m = HostReads().__enter__(), _HostValues().__enter__()
+
+            def __exit__(self, *exc):
+                self.m.__exit__(*exc)
+                self.r.__exit__(*exc)
+                reads.append(self.r.n_ours)
+                made.append(self.m.n)
+        return Both()
+
+    _train(ref, o_ref, 6)
+    _train(cap, o_cap, 6, hook=counted)
+    assert reads == [0] * 4 and made == [0] * 4  # steady steps: nothing read, nothing sent from the host
+    assert [g["lr"] for g in o_cap.param_groups] == lrs  # the scheduler filled the same tensors
+    for g, r in zip(o_cap.param_groups, o_ref.param_groups):
+        assert g["lr"].item() == pytest.approx(r["lr"], rel=1e-6)
+    for (n, a), b in zip(ref.named_parameters(), cap.parameters()):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=n)
+    assert o_cap.last_step.update_rms == pytest.approx(o_ref.last_step.update_rms, rel=1e-6)
+
+
+def test_checkpoints_between_capturable_and_not():
+    model = _model()
+    opt = SWAN(model, lr=0.01, verbose=False, capturable=True)
+    _train(model, opt, 3)
+    saved = copy.deepcopy(opt.state_dict())
+    plain = SWAN(copy.deepcopy(model), lr=0.5, verbose=False)
+    plain.load_state_dict(saved)
+    again = SWAN(copy.deepcopy(model), lr=0.5, verbose=False, capturable=True)
+    again.load_state_dict(SWAN(model, lr=0.01, verbose=False).state_dict() | {"state": {}})
+    for g, s in zip(plain.param_groups, opt.param_groups):
+        assert float(g["lr"]) == pytest.approx(s["lr"].item())
+    lr = again.param_groups[0]["lr"]
+    assert isinstance(lr, torch.Tensor) and lr.dim() == 0 and lr.item() == pytest.approx(0.01)
+    again.load_state_dict(saved)
+    assert all(isinstance(g["lr"], torch.Tensor) for g in again.param_groups)
+
+
+def test_capturable_is_a_bool():
+    with pytest.raises(TypeError, match="capturable"):
+        SWAN(nn.Linear(4, 4), lr=0.01, verbose=False, capturable="yes")
+
+
+def test_compiled_step_equals_eager():
+    """torch.compile(opt.step) with the lr a tensor (the scheduler's value changing every step): compiled
+    in the first steps, nothing compiled after, weights equal to the ordinary eager step."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    ref, cap = _model(), _model()
+    o_ref = SWAN(ref, lr=0.01, verbose=False)
+    o_cap = SWAN(cap, lr=0.01, verbose=False, capturable=True)
+    step = torch.compile(o_cap.step, backend="eager")
+    compiled = []
+    sched_ref = torch.optim.lr_scheduler.LambdaLR(o_ref, lambda t: 1.0 / (1 + t))
+    sched_cap = torch.optim.lr_scheduler.LambdaLR(o_cap, lambda t: 1.0 / (1 + t))
+    for t in range(4):
+        for m, o, s, f in ((ref, o_ref, sched_ref, o_ref.step), (cap, o_cap, sched_cap, step)):
+            o.zero_grad()
+            m(_batch(t)).logsumexp(-1).mean().backward()
+            f()
+            with warnings.catch_warnings():  # a compiled step is not seen by the scheduler's step check
+                warnings.simplefilter("ignore", UserWarning)
+                s.step()
+        compiled.append(counters["stats"]["unique_graphs"])
+    assert compiled[1] > 0 and compiled[-1] == compiled[1], compiled  # nothing compiled after step 2
+    for a, b in zip(ref.parameters(), cap.parameters()):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+    torch._dynamo.reset()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a CUDA graph needs a GPU")
+def test_a_captured_step_replays_equal_to_eager():
+    """The documented recipe: warm-up steps on a side stream, gradients kept in place
+    (zero_grad(set_to_none=False)), the step captured once, replayed with the lr scheduled."""
+    ref, cap = _model(device="cuda"), _model(device="cuda")
+    o_ref = SWAN(ref, lr=0.01, verbose=False, capturable=True, weight_decay=0.1)
+    o_cap = SWAN(cap, lr=0.01, verbose=False, capturable=True, weight_decay=0.1)
+    s_ref = torch.optim.lr_scheduler.LambdaLR(o_ref, lambda t: 1.0 / (1 + t))
+    s_cap = torch.optim.lr_scheduler.LambdaLR(o_cap, lambda t: 1.0 / (1 + t))
+
+    def grads(m, t):
+        m(_batch(t, "cuda")).float().logsumexp(-1).mean().backward()
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for t in range(3):
+            for m, o, s in ((ref, o_ref, s_ref), (cap, o_cap, s_cap)):
+                o.zero_grad(set_to_none=False)
+                grads(m, t)
+                o.step()
+                s.step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    o_cap.zero_grad(set_to_none=False)
+    grads(cap, 3)
+    with torch.cuda.graph(graph):
+        o_cap.step()
+    for t in range(3, 8):
+        o_ref.zero_grad(set_to_none=False)
+        grads(ref, t)
+        o_ref.step()
+        s_ref.step()
+        if t > 3:
+            o_cap.zero_grad(set_to_none=False)
+            grads(cap, t)
+        graph.replay()
+        s_cap.step()
+    torch.cuda.synchronize()
+    for a, b in zip(ref.parameters(), cap.parameters()):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
