@@ -20,7 +20,8 @@ The engine's model is tagged (``swan_dist.tag_model``) when the engine builds SW
 
 ``"params"`` are SWAN's keyword arguments: ``"lr"`` is SWAN's own global lr (under the Transformers Trainer
 ``"lr": "auto"`` is its ``learning_rate``, taken as SWAN's); ``"adamw_lr"`` is a tuned AdamW's lr, converted by
-the lr convention (:func:`swan_dist.from_adamw`), ``"auto"`` under the Trainer for its ``learning_rate``.
+the lr convention (:func:`swan_dist.from_adamw`), ``"learning_rate"`` under the Trainer for its ``learning_rate``
+(Accelerate refuses an ``"auto"`` it does not fill itself).
 :class:`DeepSpeedAdapter` is how the optimizer reaches all of this.
 """
 

@@ -32,6 +32,11 @@ from swan_dist.adapter import Adapter
 __all__ = ["SWANFactory", "HuggingFaceAdapter", "trainer_model", "trainer_args", "calling_trainer"]
 
 
+# ``adamw_lr`` values that take the Trainer's learning_rate as AdamW's lr. In a DeepSpeed JSON under the Trainer
+# only "learning_rate" can be written: Accelerate fills the "auto" values it knows and refuses any other.
+TRAINER_LR = ("auto", "learning_rate")
+
+
 class SWANFactory:
     """``Trainer(optimizer_cls_and_kwargs=(swan_dist.SWANFactory, {...}))``: SWAN built on the Trainer's
     model, with the keyword arguments of :class:`swan_dist.SWAN` (``preset``, ``lr``, ``fallback``, ...).
@@ -40,7 +45,7 @@ class SWANFactory:
     ``optimizer_cls_and_kwargs``), except through ``{"adamw_lr": "auto"}``: the Trainer's ``learning_rate`` is
     then AdamW's lr, converted by the lr convention (:func:`swan_dist.from_adamw`), with its ``weight_decay``
     (AdamW's, converted), ``adam_beta1``/``adam_beta2`` and ``adam_epsilon`` (the fallback's) where the kwargs
-    do not set them. ``{"adamw_lr": η}`` converts η; ``{"lr": ...}`` is SWAN's own lr. The Trainer's scheduler
+    do not set them (``"learning_rate"`` says the same as ``"auto"``). ``{"adamw_lr": η}`` converts η; ``{"lr": ...}`` is SWAN's own lr. The Trainer's scheduler
     (``lr_scheduler_type``, ``warmup_steps``) scales the lr of every SWAN group; the preset's own warm-up
     and cosine schedule belong to the reference trainer and are not applied.
     """
@@ -54,7 +59,7 @@ class SWANFactory:
                 "pass it as Trainer(optimizer_cls_and_kwargs=(swan_dist.SWANFactory, {...})), or build "
                 "swan_dist.SWAN(model, ...) yourself"
             )
-        if kwargs.get("adamw_lr") == "auto" and (args := trainer_args()) is not None:
+        if kwargs.get("adamw_lr") in TRAINER_LR and (args := trainer_args()) is not None:
             kwargs = {"weight_decay": args.weight_decay, "betas": (args.adam_beta1, args.adam_beta2),
                       "eps": args.adam_epsilon, **kwargs, "adamw_lr": args.learning_rate}
         return SWAN(model, **kwargs)

@@ -96,7 +96,8 @@ def _defaults(preset: str | None, explicit: dict[str, Any],
 
 
 def _from_adamw_lr(preset: str | None, explicit: dict[str, Any], adamw_lr: float | str) -> dict[str, Any]:
-    """lr, fallback_lr (None: tied) and, where given, weight_decay from AdamW's lr (``"auto"``: the learning_rate
+    """lr, fallback_lr (None: tied) and, where given, weight_decay from AdamW's lr (``"auto"`` or
+    ``"learning_rate"``: the learning_rate
     of the transformers Trainer building this optimizer) and AdamW's weight decay."""
     for key in ("lr", "fallback_lr"):
         if explicit.get(key) is not None:
@@ -104,14 +105,14 @@ def _from_adamw_lr(preset: str | None, explicit: dict[str, Any], adamw_lr: float
                 f"swan_dist: adamw_lr={adamw_lr!r} and {key}={explicit[key]!r} were both given: adamw_lr is a tuned "
                 f"AdamW's lr, from which SWAN's lr and fallback_lr follow (swan_dist.from_adamw; "
                 f"docs/convergence.md#the-lr-convention); give adamw_lr or {key}, not both")
-    if adamw_lr == "auto":
-        from .integrations.huggingface import trainer_args
+    from .integrations.huggingface import TRAINER_LR, trainer_args
 
+    if adamw_lr in TRAINER_LR:
         args = trainer_args()
         if args is None:
-            raise ValueError("swan_dist: adamw_lr='auto' takes the learning_rate of the transformers Trainer that "
-                             "builds this optimizer (DeepSpeed's \"adamw_lr\": \"auto\" under the Trainer); none "
-                             "does here: give adamw_lr as a number")
+            raise ValueError(f"swan_dist: adamw_lr={adamw_lr!r} takes the learning_rate of the transformers Trainer "
+                             "that builds this optimizer (in a DeepSpeed JSON under the Trainer: \"adamw_lr\": "
+                             "\"learning_rate\"); none does here: give adamw_lr as a number")
         adamw_lr = args.learning_rate
     conv = from_adamw(adamw_lr, weight_decay=explicit.get("weight_decay"), preset=preset, alpha=explicit.get("alpha"))
     return {"lr": conv["lr"], "fallback_lr": conv.get("fallback_lr"),
@@ -179,7 +180,7 @@ class SWAN(torch.optim.Optimizer):
             docs/convergence.md, "The lr convention"): matrices at ``lr * alpha = 0.2 η``, the fallback at
             ``4 η`` (with alpha 0.05: ``lr = 4 η``, the fallback tied). With it, ``weight_decay`` (the
             argument's and param groups') is AdamW's too (SWAN applies 5x it; ``betas`` and ``eps`` carry over
-            as they are). ``"auto"``: the
+            as they are). ``"auto"`` or ``"learning_rate"`` (the one a DeepSpeed JSON under the Trainer can hold): the
             ``learning_rate`` of the transformers Trainer building the optimizer. Giving ``lr`` or
             ``fallback_lr`` as well raises ``ValueError`` naming both.
         preset: ``swan_0``, ``swan_dagger``, ``swan_ddagger`` (default) or a YAML path; ``None`` for

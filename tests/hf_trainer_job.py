@@ -89,7 +89,9 @@ def _run(config: str, variant: str, out_dir: str) -> dict:
     if config in ("zero2", "zero3", "zero3-moe"):
         extra["deepspeed"] = {
             "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "steps_per_print": 10**9,
-            "optimizer": {"type": "SWAN", "params": {"preset": "swan_ddagger", "lr": "auto"}},  # lr from learning_rate
+            # lr from learning_rate; or, "json-adamw", learning_rate as AdamW's lr (SWAN's lr 4x it)
+            "optimizer": {"type": "SWAN", "params": {"preset": "swan_ddagger",
+                                                     **({"adamw_lr": "learning_rate"} if variant == "json-adamw" else {"lr": "auto"})}},
             "zero_optimization": {"stage": int(config[4])},
         }
     else:
@@ -99,7 +101,7 @@ def _run(config: str, variant: str, out_dir: str) -> dict:
         extra.update(fsdp=True, fsdp_config={"version": 2})
     args = TrainingArguments(
         output_dir=os.path.join(out_dir, f"{config}-{variant}"), max_steps=STEPS, per_device_train_batch_size=2,
-        learning_rate=LR, logging_steps=1, save_strategy="no", report_to=[], disable_tqdm=True, seed=0,
+        learning_rate=LR / 4 if variant == "json-adamw" else LR, logging_steps=1, save_strategy="no", report_to=[], disable_tqdm=True, seed=0,
         dataloader_num_workers=0, lr_scheduler_type="linear", use_cpu=config in ("ddp", "fsdp2"), **extra,
     )
     trainer = _trainer_cls(config == "fsdp2")(model=_model(config), args=args, train_dataset=_Data(), **kwargs)
@@ -119,7 +121,7 @@ def main() -> None:
     config, out_dir = sys.argv[1], sys.argv[2]
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    variants = ("factory", "bare") if config in ("ddp", "fsdp2") else ("json",)
+    variants = {"ddp": ("factory", "bare"), "fsdp2": ("factory", "bare"), "zero2": ("json", "json-adamw")}.get(config, ("json",))
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for variant in variants:

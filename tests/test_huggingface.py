@@ -227,7 +227,9 @@ def test_trainer_entry_point_ddp_and_fsdp2(trainer_job):
 
 
 def test_trainer_deepspeed_zero2_and_zero3(trainer_job):
-    """``"optimizer": {"type": "SWAN", "params": {"lr": "auto"}}`` under Trainer's DeepSpeed integration.
+    """``"optimizer": {"type": "SWAN", "params": {"lr": "auto"}}`` under Trainer's DeepSpeed integration, and at
+    ZeRO-2 ``{"adamw_lr": "learning_rate"}`` (the Trainer's ``learning_rate`` as AdamW's, converted by the lr
+    convention; Accelerate refuses an ``"auto"`` it does not know).
     (On the CPU Accelerate counts one process under DeepSpeed, so both ranks read the same batches; ZeRO
     still partitions over both.)"""
     losses = {}
@@ -239,6 +241,11 @@ def test_trainer_deepspeed_zero2_and_zero3(trainer_job):
         _check_run(r0, config)
         _check_schedule(r0, config)  # "auto" took TrainingArguments.learning_rate
         losses[config] = r0["losses"]
+        if config == "zero2":  # "adamw_lr": "learning_rate" with learning_rate 0.005: SWAN's lr 4x it, the same run
+            converted = job["ranks"][0]["json-adamw"]
+            _check_run(converted, "zero2, adamw_lr")
+            assert converted["losses"] == pytest.approx(r0["losses"], rel=1e-5, abs=1e-5)
+            assert converted["logged_lr"] == pytest.approx(r0["logged_lr"], rel=1e-6)
     assert losses["zero3"] == pytest.approx(losses["zero2"], rel=1e-5, abs=1e-5)
 
 

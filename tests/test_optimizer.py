@@ -475,7 +475,7 @@ def test_adamw_lr_resolves_like_from_adamw_and_conflicts_name_both_keys():
     for key in ("lr", "fallback_lr"):
         with pytest.raises(ValueError, match=f"adamw_lr=0.0003 and {key}=0.01"):
             SWAN(Toy(), adamw_lr=eta, verbose=False, **{key: 0.01})
-    with pytest.raises(ValueError, match="adamw_lr='auto'.*Trainer"):
+    with pytest.raises(ValueError, match="adamw_lr='auto'.*Trainer.*learning_rate"):
         SWAN(Toy(), adamw_lr="auto", verbose=False)
 
 
