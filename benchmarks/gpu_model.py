@@ -87,7 +87,7 @@ def paper_check() -> Paper:
         plan = swan_plan(specs, [[(0, s.numel) for s in specs]] * 8)  # DDP: every rank holds every gradient
         totals[name], slowest[name] = sum(plan.costs), plan.slowest()
         owned = max(sum(specs[m].numel for b in plan.buckets for m, o in b.owners.items() if o == r) for r in range(8))
-        sent[name] = owned * 7 * 2  # bf16 updates of its matrices to the 7 other ranks
+        sent[name] = owned * 7 * 2  # its matrices' updates, in the parameters' dtype (bf16 here), to the 7 others
     t_swan = V["paper batch (tokens)"] / PAPER["SWAN‡ w/o MP"]
     rate = totals["‡"] / (t_swan - t_adam + adam - fallback)
     rows = []
@@ -167,7 +167,9 @@ def main() -> None:
               f"({fraction * V['H100 bf16 peak'] / 1e12:.0f} TFLOP/s).", "",
               "**Check against the paper** (1.3B LLaMA, 8x A100, DDP, batch 131,072 tokens; raw tokens/s "
               "over Adam's). *w/ MP* is swan_dist's owner mode: the plan's slowest owner whitens, each owner "
-              "sends its matrices' bf16 updates to the 7 others over NVLink.", "",
+              "sends its matrices' updates to the 7 others over NVLink in the parameters' dtype (bf16: the paper's "
+              "bf16 model under DDP; fp32 master weights, as FSDP2 mixed precision keeps, would send twice the "
+              "bytes).", "",
               "| point | predicted | paper | predicted / paper |", "|---|---:|---:|---:|"]
     lines += [f"| {p} | {pred:.3f} | {meas:.3f} | {pred / meas:.3f} |" for p, pred, meas in paper.rows]
     lines += ["", "**Predicted, H100 clusters** (FSDP over all W GPUs, NSDS, bucket_mb=256, 4M-token global "

@@ -52,11 +52,11 @@ def _number(key: str, value: Any, *, positive: bool) -> float:
 def _alpha(preset: str | None, alpha: float | None) -> float:
     if alpha is not None:
         return _number("alpha", alpha, positive=True)
-    from .optimizer import _BASE  # the base value a preset may leave unset
+    from .defaults import BASE  # the base value a preset may leave unset
     from .presets import load_preset
 
     options = load_preset(preset)["optimizer"] if preset is not None else {}
-    return _number("alpha", options.get("alpha", _BASE["alpha"]), positive=True)
+    return _number("alpha", options.get("alpha", BASE["alpha"]), positive=True)
 
 
 def from_adamw(lr: float, betas: tuple[float, float] | None = None, weight_decay: float | None = None,

@@ -15,7 +15,6 @@ whiten, apply; docs/engine.md).
 
 from __future__ import annotations
 
-import warnings
 from collections import Counter
 from typing import Any, Callable, Iterable, Sequence
 
@@ -27,8 +26,7 @@ from .adapter import Form, Member, adapter_for, name_bare_params, optimizer_buil
 from .collect import Collector, Holdings
 from .engine import MODES, Deferred, EngineMemo, StepContext, StepResult, run_step, settle
 from .in_backward import InBackward, check_in_backward
-from .lr import MATRIX_RATIO, WARN_BELOW, from_adamw
-from .presets import OPTIMIZER_KEYS, load_preset
+from .defaults import adamw_group_decay, pair, rank0, resolve
 from .records import Entry, Origin
 from .rules import FALLBACKS, check_group, check_scalars
 from .selection import Rule, classify, param_groups, tag_model, tagged_form, tagged_name
@@ -36,14 +34,6 @@ from .state import export_states, import_states, zero_states
 from .summary import StepLog, StepRecord, SummaryRow, log_info, summary_text, warn_unnamed
 
 __all__ = ["SWAN", "FALLBACKS", "StepRecord"]
-
-# Hyper-parameters with a meaning independent of any preset. lr has no default without a preset.
-_BASE = dict(
-    alpha=1.0, whitening="nsds", ns_steps=2, beta=0.4, grad_norm="rms", whiten_dtype="auto",
-    weight_decay=0.0, fallback="adamw", betas=(0.9, 0.999), eps=1e-8, nonfinite="skip", fallback_lr=None,
-)
-assert set(_BASE) | {"lr"} == OPTIMIZER_KEYS
-
 
 def _as_groups(params: Iterable[Any] | nn.Module, include: list[str], exclude: list[str],
                model: nn.Module | None = None) -> list:
@@ -71,81 +61,6 @@ def _as_groups(params: Iterable[Any] | nn.Module, include: list[str], exclude: l
     return params
 
 
-def _defaults(preset: str | None, explicit: dict[str, Any],
-              adamw_lr: float | str | None = None) -> tuple[str | None, dict[str, Any]]:
-    """(the preset's name, the groups' defaults): the base values, the preset's, the explicit arguments
-    given (not None), with ``adamw_lr`` SWAN's lr, fallback_lr and weight decay converted from AdamW's
-    (:func:`swan_dist.from_adamw`), checked."""
-    converted = None if adamw_lr is None else _from_adamw_lr(preset, explicit, adamw_lr)
-    defaults: dict[str, Any] = dict(_BASE)
-    name = None
-    if preset is not None:
-        p = load_preset(preset)
-        name = p["name"]
-        defaults.update(p["optimizer"])
-    defaults.update({k: v for k, v in explicit.items() if v is not None})
-    if converted is not None:
-        defaults.update(converted)  # fallback_lr None (tied) over a preset's too
-    if "lr" not in defaults:
-        raise ValueError("SWAN: lr is required when no preset is given (or adamw_lr=, a tuned AdamW's lr)")
-    defaults["betas"] = _pair(defaults["betas"])
-    check_group(defaults)
-    if converted is None:
-        _warn_adamw_sized(defaults)
-    return name, defaults
-
-
-def _from_adamw_lr(preset: str | None, explicit: dict[str, Any], adamw_lr: float | str) -> dict[str, Any]:
-    """lr, fallback_lr (None: tied) and, where given, weight_decay from AdamW's lr (``"auto"`` or
-    ``"learning_rate"``: the learning_rate
-    of the transformers Trainer building this optimizer) and AdamW's weight decay."""
-    for key in ("lr", "fallback_lr"):
-        if explicit.get(key) is not None:
-            raise ValueError(
-                f"swan_dist: adamw_lr={adamw_lr!r} and {key}={explicit[key]!r} were both given: adamw_lr is a tuned "
-                f"AdamW's lr, from which SWAN's lr and fallback_lr follow (swan_dist.from_adamw; "
-                f"docs/convergence.md#the-lr-convention); give adamw_lr or {key}, not both")
-    from .integrations.huggingface import TRAINER_LR, trainer_args
-
-    if adamw_lr in TRAINER_LR:
-        args = trainer_args()
-        if args is None:
-            raise ValueError(f"swan_dist: adamw_lr={adamw_lr!r} takes the learning_rate of the transformers Trainer "
-                             "that builds this optimizer (in a DeepSpeed JSON under the Trainer: \"adamw_lr\": "
-                             "\"learning_rate\"); none does here: give adamw_lr as a number")
-        adamw_lr = args.learning_rate
-    conv = from_adamw(adamw_lr, weight_decay=explicit.get("weight_decay"), preset=preset, alpha=explicit.get("alpha"))
-    return {"lr": conv["lr"], "fallback_lr": conv.get("fallback_lr"),
-            **({"weight_decay": conv["weight_decay"]} if "weight_decay" in conv else {})}
-
-
-def _adamw_group_decay(params: Iterable[Any]) -> list:
-    """With ``adamw_lr``, a param group's own ``weight_decay`` is AdamW's too (the Trainer's decay group):
-    converted as :func:`swan_dist.from_adamw` converts the argument's."""
-    return [{**g, "weight_decay": g["weight_decay"] / MATRIX_RATIO}
-            if isinstance(g, dict) and isinstance(g.get("weight_decay"), (int, float))
-            and not isinstance(g.get("weight_decay"), bool) else g for g in params]
-
-
-def _warn_adamw_sized(defaults: dict[str, Any]) -> None:
-    """Warn (rank 0, at construction) when SWAN's own lr puts the whitened matrices where only an AdamW lr
-    below 1e-4 would by the lr convention: most likely an AdamW lr given as SWAN's."""
-    lr, alpha = float(defaults["lr"]), float(defaults["alpha"])
-    if 0 < lr * alpha < WARN_BELOW and _rank0():
-        swan = from_adamw(lr, alpha=alpha, preset=None)
-        got = f"lr {swan['lr']:.3g}" + (f", fallback_lr {swan['fallback_lr']:.3g}" if "fallback_lr" in swan else "")
-        warnings.warn(
-            f"swan_dist: SWAN's lr={lr:g} puts the whitened matrices at lr x alpha = {lr * alpha:.3g} (alpha {alpha:g}), "
-            f"below {WARN_BELOW:g}, where the lr convention puts them only for an AdamW lr under 1e-4. If {lr:g} is "
-            f"your AdamW lr, give SWAN(..., adamw_lr={lr:g}) or take swan_dist.from_adamw({lr:g}) ({got}; matrices "
-            f"at {lr * MATRIX_RATIO:.3g}): docs/convergence.md#the-lr-convention", UserWarning, stacklevel=4)
-
-
-def _pair(betas: Any) -> Any:
-    """A list of two betas as the tuple torch's own optimizers keep (anything else is left to validation)."""
-    return tuple(betas) if isinstance(betas, list) else betas
-
-
 def _held(value: Any) -> Any:
     """A param group's scalar as a step used it: a tensor (a scheduler may change it in place) copied on its
     device, never read on the host."""
@@ -159,10 +74,6 @@ def _on_device(lr: Any, params: list) -> Tensor:
     if isinstance(lr, Tensor):
         return lr if lr.device == device and lr.dim() == 0 else lr.detach().reshape(()).to(device, torch.float32)
     return torch.tensor(float(lr), dtype=torch.float32, device=device)
-
-
-def _rank0() -> bool:
-    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
 
 
 class SWAN(torch.optim.Optimizer):
@@ -268,12 +179,12 @@ class SWAN(torch.optim.Optimizer):
         model: nn.Module | None = None,
         capturable: bool = False,
     ) -> None:
-        self.preset, defaults = _defaults(preset, dict(
+        self.preset, defaults = resolve(preset, dict(
             lr=lr, alpha=alpha, whitening=whitening, ns_steps=ns_steps, beta=beta, grad_norm=grad_norm,
             whiten_dtype=whiten_dtype, weight_decay=weight_decay, fallback=fallback, betas=betas,
             eps=eps, nonfinite=nonfinite, fallback_lr=fallback_lr, split_fused=split_fused), adamw_lr)
         if adamw_lr is not None and not isinstance(params, nn.Module):
-            params = _adamw_group_decay(params)
+            params = adamw_group_decay(params)
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) or not 0 < bucket_mb < float("inf"):
@@ -303,7 +214,7 @@ class SWAN(torch.optim.Optimizer):
                                       params if isinstance(params, nn.Module) else model)
             self._in_backward = InBackward(self, units)
         warn_unnamed(self._rows, strict, model is not None)
-        if verbose and _rank0():
+        if verbose and rank0():
             log_info(self.summary())  # the "swan_dist" logger, or stdout where logging is not configured
 
     # torch's Optimizer pickles only defaults/state/param_groups; keep our settings too. The plan is
@@ -341,7 +252,7 @@ class SWAN(torch.optim.Optimizer):
         forced = group.pop("use_swan", None)
         for key, value in self.defaults.items():
             group.setdefault(key, value)
-        group["betas"] = _pair(group["betas"])
+        group["betas"] = pair(group["betas"])
         check_group(group)
         split: dict[bool, tuple[list, list]] = {True: ([], []), False: ([], [])}
         for i, p in enumerate(raw):
