@@ -331,8 +331,8 @@ def _finite(grads: list[Tensor]) -> Tensor:
         per = max(1, _STACK // n)
         for k in range(0, len(idx), per):
             chunk = idx[k:k + per]
-            lo, hi = torch.stack([grads[i].reshape(-1) for i in chunk]).aminmax(dim=1)
-            parts.append((chunk, lo.isfinite() & hi.isfinite()))
+            rows = torch.stack([grads[i].reshape(-1) for i in chunk])  # (amax, amin per row: faster than aminmax)
+            parts.append((chunk, rows.amax(1).isfinite() & rows.amin(1).isfinite()))
     if big:
         parts.append((big, torch.stack([torch.stack(torch.aminmax(grads[i].reshape(-1))) for i in big]).isfinite().all(1)))
     if len(parts) == 1 and parts[0][0] == list(range(len(grads))):

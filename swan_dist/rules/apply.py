@@ -96,7 +96,7 @@ def apply_stack(groups: list[dict], params: list[Tensor], rows: Tensor, ok: Tens
     for j, (g, p) in enumerate(zip(groups, params)):
         sets.setdefault((id(g), p.device, p.dtype), (g, []))[1].append(j)
     if ok is not None:
-        rows = rows.masked_fill(~ok.unsqueeze(1), 0.0) if rows.dim() == 2 else rows
+        rows = rows.masked_fill_(~ok.unsqueeze(1), 0.0) if rows.dim() == 2 else rows  # (NaN rows: no multiply)
     cast: dict[tuple, Tensor] = {}
     for (_, dev, dt), (g, js) in sets.items():
         u = cast.get((dev, dt))
