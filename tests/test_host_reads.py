@@ -70,7 +70,7 @@ def _fsdp2(model, mesh):
 
 
 def _torch_case(rank, world, layout):
-    """One layout of the reference model: DDP, FSDP2 (in backward too), HSDP (FSDP2 on a 2 x W/2
+    """One layout of the reference model: DDP, FSDP2 (in backward too, with capturable=True too), HSDP (FSDP2 on a 2 x W/2
     (replicate, shard) mesh), TP (DTensor ``Shard`` on the whole world: ColwiseParallel / RowwiseParallel)."""
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -88,7 +88,8 @@ def _torch_case(rank, world, layout):
         wrapped, rank = model, 0  # the TP ranks see the same batch
     else:
         wrapped = _fsdp2(model, init_device_mesh("cpu", (world,)))
-    opt = SWAN(model, preset="swan_ddagger", lr=0.01, verbose=False, step_in_backward=in_backward)
+    opt = SWAN(model, preset="swan_ddagger", lr=0.01, verbose=False, step_in_backward=in_backward,
+               capturable=layout == "fsdp2_capturable")
     return _reads(wrapped, opt, rank, in_backward)
 
 
@@ -129,7 +130,7 @@ def _megatron_case(rank, world):
         ps.destroy_model_parallel()
 
 
-W2 = ("ddp", "fsdp2", "fsdp2_in_backward", "tp", "megatron_distopt")
+W2 = ("ddp", "fsdp2", "fsdp2_in_backward", "fsdp2_capturable", "tp", "megatron_distopt")
 
 
 def _w2_worker(rank, world, layouts):
