@@ -14,6 +14,7 @@
 #      then the CPU run's default model (log only, for comparison with the CPU section);
 #   c. benchmarks/whitening.py (swan_update vs its GEMMs, fp32 and bf16);
 #   d. benchmarks/cuda_numerics.py (SWAN's math and one optimizer step on the GPU vs fp64/CPU);
+#   d0. tests/test_capturable.py: no sync in steady steps (sync debug mode "error"), a CUDA graph of the step;
 #   d1. benchmarks/memory.py --device cuda: peak allocated/reserved per optimizer, LLaMA 1.3B and
 #      7B in bf16 at batch 1 (writes `memory-cuda`; without CUDA a tiny CPU run instead, nothing written);
 #   d2. benchmarks/torchtitan.py --cuda: torchtitan's trainer at W=1, AdamW vs DistMuon vs SWAN step time and
@@ -117,6 +118,9 @@ step whitening 90 $PY benchmarks/whitening.py "${NOWRITE[@]}"
 step megatron 120 $PY -m torch.distributed.run --standalone --nproc-per-node 1 benchmarks/megatron.py "${BIG[@]}" \
     "${NOWRITE[@]}"
 step cuda_numerics 60 $PY benchmarks/cuda_numerics.py
+# the step on the GPU: steady steps under torch.cuda.set_sync_debug_mode("error") (ordinary, in backward,
+# capturable), a captured step replayed equal to eager, capturable equal to the ordinary step (tests/test_capturable.py)
+step gpu_step 120 $PY -m pytest -q -p no:cacheprovider tests/test_capturable.py
 if [ "$CUDA" = 1 ]; then
     step memory_cuda 240 $PY benchmarks/memory.py --device cuda --sizes 1b3,7b --size-timeout 115
 else
@@ -135,7 +139,7 @@ mlm() {
         --vocab-size 32000 --num-layers 4 --hidden-size 512 --ffn-hidden-size 1408 --num-attention-heads 8
         --group-query-attention --num-query-groups 4 --swiglu --position-embedding-type rope --normalization RMSNorm
         --disable-bias-linear --seq-length 512 --max-position-embeddings 512 --micro-batch-size 8
-        --global-batch-size 16 --lr 3e-4 --min-lr 3e-5 --lr-decay-style cosine --lr-warmup-iters 5 --weight-decay 0.1
+        --global-batch-size 16 --swan-from-adamw --lr 3e-4 --min-lr 3e-5 --lr-decay-style cosine --lr-warmup-iters 5 --weight-decay 0.1
         --clip-grad 1.0 --bf16 --use-distributed-optimizer --train-iters 40 --log-interval 5 --eval-iters 0
         --eval-interval 1000 --ckpt-format torch_dist --seed 1234 --no-gradient-accumulation-fusion --no-rope-fusion
         --no-persist-layer-norm --no-masked-softmax-fusion)  # (fusions that need Transformer Engine or apex)

@@ -149,6 +149,30 @@ def test_compiled_step_equals_eager():
     torch._dynamo.reset()
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA's sync debug mode needs a GPU")
+@pytest.mark.parametrize("options", [{}, {"step_in_backward": True}, {"capturable": True}],
+                         ids=["ordinary", "in_backward", "capturable"])
+def test_steady_steps_never_wait_for_the_gpu(options):
+    """torch.cuda.set_sync_debug_mode("error") around the steady steps (optimizer and scheduler): any
+    synchronising call (a host read, a pageable copy) raises."""
+    model = _model(device="cuda")
+    opt = SWAN(model, lr=0.01, verbose=False, weight_decay=0.1, **options)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 1.0 / (1 + t))
+    for t in range(6):
+        opt.zero_grad()
+        loss = model(_batch(t, "cuda")).float().logsumexp(-1).mean()
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error" if t >= 2 else 0)
+        try:
+            loss.backward()  # (with step_in_backward the updates are made here)
+            opt.step()
+            sched.step()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    assert all(p.isfinite().all() for p in model.parameters())
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="a CUDA graph needs a GPU")
 def test_a_captured_step_replays_equal_to_eager():
     """The documented recipe: warm-up steps on a side stream, gradients kept in place
