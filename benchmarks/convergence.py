@@ -71,6 +71,7 @@ class Arm:
     optimizer: str
     preset: str | None = None
     options: dict[str, Any] = field(default_factory=dict)
+    weight_decay: float = 0.0  # the trainer's weight_decay (the study: none)
 
     def sets(self) -> list[str]:
         sets = [f"optimizer={self.optimizer}"]
@@ -156,10 +157,10 @@ class Study:
         out = self.work / tag
         sets = [f"model.size={a.model}", *(f"model.{k}={v}" for k, v in a.model_overrides.items()), "data=wiki",
                 f"seq_len={a.seq}", f"batch_size={a.batch}", "grad_accum=1", f"steps={steps}", *arm.sets(),
-                f"lr={'null' if lr is None else repr(float(lr))}", "weight_decay=0.0", "grad_clip=1.0", f"seed={seed}",
-                "parallel=none", f"eval_every={eval_every}", f"eval_batches={a.eval_batches}",
-                f"log_every={eval_every}", f"out_dir={out}", "save_model=false", "checkpoint_every=0",
-                "resume=never"]  # fmt: skip
+                f"lr={'null' if lr is None else repr(float(lr))}", f"weight_decay={float(arm.weight_decay)!r}",
+                "grad_clip=1.0", f"seed={seed}", "parallel=none", f"eval_every={eval_every}",
+                f"eval_batches={a.eval_batches}", f"log_every={eval_every}", f"out_dir={out}", "save_model=false",
+                "checkpoint_every=0", "resume=never"]  # fmt: skip
         out.mkdir(parents=True, exist_ok=True)
         run = Pending(arm, lr, seed, tag, steps, sets, out, reused=a.reuse and _finished_as(out, sets))
         if self.pool is not None and not run.reused:
