@@ -9,7 +9,8 @@ From AdamW's tuned lr η (and its betas, eps, weight decay λ), :func:`from_adam
   AdamW", torch/optim/_muon.py);
 - the fallback rule (AdamW on embeddings, output head, norms, biases) runs at ``4 η``: with SWAN‡'s alpha 0.05
   that is ``lr = 4 η`` with the fallback tied to it (no ``fallback_lr``), the best measured start
-  (``benchmarks/lr_rule.py``: ``tiny`` 4 η, ``small`` 2.5 η, a fallback held at η cost loss at both);
+  (``benchmarks/lr_rule.py``, 2 seeds where run: ``tiny`` 4 η, ``small`` 2.5 η on its grid's edge, ``60m`` 4 η
+  with AdamW's best η = 6e-4; a fallback held at η cost loss at ``tiny`` and ``small``);
 - betas and eps carry over to the AdamW fallback as they are;
 - weight decay ``5 λ``: SWAN's decoupled decay is ``p * (1 - lr_eff * wd)``, so the matrices (``lr_eff = 0.2 η``)
   decay by AdamW's own factor ``1 - η λ`` a step, as torch's Muon does with AdamW's λ (it decays by the lr before

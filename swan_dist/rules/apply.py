@@ -142,29 +142,30 @@ class Pending:
     receives one update per step, so the order is free. Each piece comes with two 0-d bools on the device:
     ``finite`` (its owner's update came out finite) and ``wanted`` (the step applies its matrix: a finite
     gradient, the step's agreement held); it is applied where both are set, and counted in ``missed``
-    where it was wanted but not finite."""
+    where it was wanted but not finite. The flags are combined per flush, a few kernels for all pieces."""
 
     def __init__(self, limit: int, missed: Missed) -> None:
         self.limit, self.held, self.missed = limit, 0, missed
-        self.sets: dict[tuple, tuple[dict, list[Tensor], list[Tensor], list[Tensor]]] = {}
+        self.sets: dict[tuple, tuple[dict, list[Tensor], list[Tensor], list[Tensor], list[Tensor], list[str]]] = {}
 
     def add(self, group: dict, param: Tensor, u: Tensor, name: str, finite: Tensor, wanted: Tensor) -> None:
-        self.missed.add([name], wanted & ~finite)
         dev, dt = param.device, param.dtype
         if u.dtype != dt or u.device != dev:
             u = u.to(dev, dt)
         found = self.sets.get((id(group), dev, dt))
         if found is None:
-            found = self.sets[(id(group), dev, dt)] = (group, [], [], [])
-        found[1].append(param)
-        found[2].append(u)
-        found[3].append(finite & wanted)
+            found = self.sets[(id(group), dev, dt)] = (group, [], [], [], [], [])
+        for xs, x in zip(found[1:], (param, u, finite, wanted, name)):
+            xs.append(x)
         self.held += u.numel() * u.element_size()
         if self.held >= self.limit:
             self.flush()
 
     def flush(self) -> None:
-        for group, params, updates, flags in self.sets.values():
-            apply_many(group, params, updates, torch.stack(flags).to(params[0].device))
+        for group, params, updates, finite, wanted, names in self.sets.values():
+            dev = params[0].device
+            finite, wanted = torch.stack(finite).to(dev), torch.stack(wanted).to(dev)
+            self.missed.add(names, wanted & ~finite)
+            apply_many(group, params, updates, finite & wanted)
         self.sets.clear()
         self.held = 0

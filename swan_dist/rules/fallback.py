@@ -107,9 +107,7 @@ def _adamw(state: dict, group: dict, pieces: list[Piece], skip: Tensor | None) -
                 _adamw_functional(targets, grads, m, v, [], st, fused=True, found_inf=skip, **kw)
                 continue
             pos = {id(pc): i for i, pc in enumerate(pieces)}
-            for j, i in enumerate(pos[id(pc)] for pc in kind):  # one flag per piece: one kernel each
-                _adamw_functional(targets[j:j + 1], grads[j:j + 1], m[j:j + 1], v[j:j + 1], [], st[j:j + 1],
-                                  fused=True, found_inf=skip[i], **kw)
+            _fused_each(targets, grads, m, v, st, [skip[pos[id(pc)]] for pc in kind], kw)
             continue
         saved = None if skip is None else [[x.clone() for x in xs] for xs in (targets, m, v, st)]
         if isinstance(lr, Tensor):  # torch's foreach AdamW takes a tensor lr only as capturable (not on the CPU)
@@ -124,6 +122,22 @@ def _adamw(state: dict, group: dict, pieces: list[Piece], skip: Tensor | None) -
             for xs, old in zip((targets, m, v, st), saved):
                 for x, o, k in zip(xs, old, keep):
                     x.copy_(torch.where(k.to(x.device) > 0, o, x))
+
+
+def _fused_each(targets, grads, m, v, steps, flags: list[Tensor], kw: dict) -> None:
+    """torch's fused AdamW with one ``found_inf`` per tensor (a kernel each, as the flag is per call), the step
+    counts advanced for all at once and put back where the flag is set, as torch's ``_fused_adam`` does for
+    one flag: the kernels called directly, without the functional's per-call bookkeeping."""
+    flags = [f.to(targets[0].device) for f in flags]
+    lr = kw["lr"]
+    if isinstance(lr, Tensor):
+        lr = lr.to(targets[0].device)
+    torch._foreach_add_(steps, 1)
+    for j, f in enumerate(flags):
+        torch._fused_adamw_(targets[j:j + 1], grads[j:j + 1], m[j:j + 1], v[j:j + 1], [], steps[j:j + 1], lr=lr,
+                            beta1=kw["beta1"], beta2=kw["beta2"], weight_decay=kw["weight_decay"], eps=kw["eps"],
+                            amsgrad=False, maximize=False, grad_scale=None, found_inf=f)
+    torch._foreach_sub_(steps, flags)
 
 
 def _stateless(group: dict, pieces: list[Piece], sign: bool, skip: Tensor | None) -> None:
