@@ -91,7 +91,10 @@ class Report:
     def __init__(self, counts: Tensor, named: list[tuple[str, str]], codes: Tensor, missed: Missed,
                  now: bool = False) -> None:
         self.named, self.codes, self.missed, self.event = named, codes, missed, None
-        if now:  # read at once: resolve() waits for the device (a host read)
+        # a step captured in a CUDA graph copies nothing: its counts stay on the device, rewritten by each
+        # replay, and are read when asked (resolve())
+        self.lazy = counts.is_cuda and not now and torch.cuda.is_current_stream_capturing()
+        if now or self.lazy:  # read at once (a host read: that option's price), or when asked
             self.host = counts
             return
         self.host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=counts.is_cuda)
@@ -100,19 +103,6 @@ class Report:
         if counts.is_cuda:
             self.event = torch.cuda.Event()
             self.event.record()
-
-    @classmethod
-    def of(cls, counts: Tensor, named: list[tuple[str, str]], codes: Tensor, missed: Missed, now: bool) -> Report:
-        """The step's report; a step captured in a CUDA graph copies nothing (its counts stay on the device,
-        rewritten by each replay, and are read when asked: :meth:`resolve`)."""
-        if counts.is_cuda and not now and torch.cuda.is_current_stream_capturing():
-            report = cls.__new__(cls)
-            report.named, report.codes, report.missed, report.event, report.host = named, codes, missed, None, counts
-            report.lazy = True
-            return report
-        return cls(counts, named, codes, missed, now)
-
-    lazy = False  # counts on the device, read only when asked
 
     def ready(self) -> bool:
         return not self.lazy and (self.event is None or self.event.query())
@@ -198,7 +188,7 @@ def _run(entries: list[Entry], ctx: StepContext, memo: EngineMemo, groups: Seque
         if is_fake(counts):  # a trace (FakeTensorMode): no values to report
             return StepResult(whitened, (), (), None)
         now = any(mode == "raise" for _, mode in named)  # that option's price: one read per step
-        report = Report.of(counts, named, agreed.codes, missed, now)
+        report = Report(counts, named, agreed.codes, missed, now)
         return StepResult(whitened, *report.resolve(), None) if now else StepResult(whitened, (), (), None, report)
     return _close(ctx, memo, late.error or failure, agreed, counts, named, missed, whitened, defer)
 
