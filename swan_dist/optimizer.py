@@ -15,7 +15,6 @@ whiten, apply; docs/engine.md).
 
 from __future__ import annotations
 
-from collections import Counter
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
@@ -24,14 +23,15 @@ from torch import Tensor, nn
 
 from .adapter import Form, Member, adapter_for, name_bare_params, optimizer_built, step_key
 from .collect import Collector, Holdings
-from .engine import MODES, Deferred, EngineMemo, StepContext, StepResult, run_step, settle
+from .engine import MODES, Deferred, EngineMemo, StepContext, StepResult, run_step
 from .in_backward import InBackward, check_in_backward
 from .defaults import adamw_group_decay, pair, rank0, resolve
 from .records import Entry, Origin
 from .rules import FALLBACKS, check_group, check_scalars
 from .selection import Rule, classify, param_groups, tag_model, tagged_form, tagged_name
 from .state import export_states, import_states, zero_states
-from .summary import StepLog, StepRecord, SummaryRow, log_info, summary_text, warn_unnamed
+from .steps import StepBook
+from .summary import StepRecord, SummaryRow, log_info, summary_text, warn_unnamed
 
 __all__ = ["SWAN", "FALLBACKS", "StepRecord"]
 
@@ -200,12 +200,7 @@ class SWAN(torch.optim.Optimizer):
         self._origin: list[list[Origin]] = []  # per group: the (name, parameter) it was given, held weakly
         self._packed: dict[Tensor, tuple[bool, ...]] = {}  # a tensor packing several parameters -> use_swan each
         self._collector = Collector()  # pieces kept for reuse and the records, from step to step
-        self.nonfinite_skips: Counter[str] = Counter()  # complete once poll_reports(wait=True) returned
-        self._reports: list = []  # one-process steps whose counts are on their way to the host
-        self.whitened_matrices = 0  # matrices whitened so far (SWAN work done, for accounting)
-        self._steps = 0  # step() calls
-        self._step_log = StepLog()  # the step under way (updates made during backward included)
-        self._last: tuple[int, StepLog, list] | StepRecord | None = None  # last_step, resolved when read
+        self._book = StepBook()  # what the steps did: counts, the last step, reports on their way
         super().__init__(_as_groups(params, self._include, self._exclude, model), defaults)
         optimizer_built(self)
         self._in_backward: InBackward | None = None
@@ -220,8 +215,8 @@ class SWAN(torch.optim.Optimizer):
     # torch's Optimizer pickles only defaults/state/param_groups; keep our settings too. The plan is
     # rebuilt on the next step; a process group cannot be copied (a copy uses the default group
     # until ``process_group`` is set again).
-    _PICKLED = ("preset", "mode", "bucket_mb", "_include", "_exclude", "_rows", "_origin", "nonfinite_skips",
-                "whitened_matrices", "_packed", "_forms", "_steps", "capturable")
+    _PICKLED = ("preset", "mode", "bucket_mb", "_include", "_exclude", "_rows", "_origin", "_book", "_packed",
+                "_forms", "capturable")
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
@@ -232,8 +227,8 @@ class SWAN(torch.optim.Optimizer):
         super().__setstate__(state)
         # unpickling: absent, so defaults; torch's load_state_dict also calls this: keep what is set
         for key, make in (("process_group", lambda: None), ("_memos", dict), ("_collector", Collector),
-                          ("_forms", dict), ("_in_backward", lambda: None), ("_steps", int), ("_step_log", StepLog),
-                          ("_last", lambda: None), ("capturable", lambda: False)):
+                          ("_forms", dict), ("_in_backward", lambda: None), ("_book", StepBook),
+                          ("capturable", lambda: False)):
             if key not in self.__dict__:
                 self.__dict__[key] = make()
         origin = self.__dict__.get("_origin")
@@ -361,10 +356,8 @@ class SWAN(torch.optim.Optimizer):
     def _end_step(self) -> None:
         """Close the step under way as :attr:`last_step` (host values only: the groups' lr and alpha as this
         step used them; names still on their way are read when the record is)."""
-        self._steps += 1
-        rates = [(_held(g["lr"]), _held(g["alpha"]), self._matrices(i), bool(g["use_swan"]))
-                 for i, g in enumerate(self.param_groups)]
-        self._last, self._step_log = (self._steps, self._step_log, rates), StepLog()
+        self._book.end_step([(_held(g["lr"]), _held(g["alpha"]), self._matrices(i), bool(g["use_swan"]))
+                             for i, g in enumerate(self.param_groups)])
 
     def _matrices(self, index: int) -> int:
         """SWAN's matrices in param group ``index`` as it was built: its tensors for a SWAN group, the SWAN
@@ -382,17 +375,7 @@ class SWAN(torch.optim.Optimizer):
         ``None`` before the first step. The step itself reads nothing on the host for it: in one process
         the names of what it skipped arrive with the step's counts, copied without waiting; reading this
         waits for them where they have not landed (a host read, made when asked)."""
-        last = self._last
-        if last is None or isinstance(last, StepRecord):
-            return last
-        step, log, rates = last
-        if log.pending():
-            self.poll_reports(wait=True)
-            for r in log.reports:  # a step captured in a CUDA graph: its counts as the last replay left them
-                if not hasattr(r, "outcome"):
-                    r.outcome = r.resolve()
-        self._last = log.record(step, rates)
-        return self._last
+        return self._book.last_record()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """torch's; with ``step_in_backward=True`` the next backward updates the parameters."""
@@ -429,37 +412,33 @@ class SWAN(torch.optim.Optimizer):
         finally:
             self._collector.release(entries, everything=memo == "all" or (isinstance(memo, tuple) and memo[0] == "part"))
             kept.hashes.clear()
-        self.whitened_matrices += result.whitened
-        self.nonfinite_skips.update(result.skipped + result.nonfinite)
-        self._step_log.add(result.whitened, result.skipped, result.nonfinite, result.report)
+        self._book.add(result)
         if result.failure is not None:
             raise result.failure
-        if result.report is not None and not result.report.lazy:  # (a captured step's: read when asked)
-            self.__dict__.setdefault("_reports", []).append(result.report)
-        if result.closing is not None:
-            self.__dict__.setdefault("_closings", []).append(result.closing)
-        self.poll_reports()
         return result
 
     def settle_steps(self) -> None:
         """Read the statuses of the steps made with ``defer=True`` since the last call (updates made during
         backward at W > 1: one host read for all of them) and raise, warn and count as each step would
         have, alike on every rank (:func:`swan_dist.engine.settle`)."""
-        closings, self.__dict__["_closings"] = self.__dict__.get("_closings", []), []
-        for r in settle(closings):
-            self.nonfinite_skips.update(r.skipped + r.nonfinite)
-            self._step_log.add(0, r.skipped, r.nonfinite)  # its matrices were counted when it ran
+        self._book.settle()
 
     def poll_reports(self, wait: bool = False) -> None:
         """In one process, what steps skipped for non-finite values is counted on the device and copied to
         the host without waiting: each step looks at the copies that landed (on the CPU, its own at once),
         warns and adds to :attr:`nonfinite_skips`; ``wait=True`` waits for every copy (a host read)."""
-        reports = self.__dict__.setdefault("_reports", [])
-        while reports and (wait or reports[0].ready()):
-            report = reports.pop(0)
-            skipped, nonfinite = report.outcome = report.resolve()  # kept for its step's record (last_step)
-            self.nonfinite_skips.update(skipped + nonfinite)
+        self._book.poll(wait)
 
+    @property
+    def nonfinite_skips(self):
+        """Per parameter name, the steps that left it out for a non-finite gradient or update (complete once
+        :meth:`poll_reports` with ``wait=True`` returned)."""
+        return self._book.nonfinite_skips
+
+    @property
+    def whitened_matrices(self) -> int:
+        """Matrices whitened so far (SWAN's work done, for accounting)."""
+        return self._book.whitened
 
     def _part(self) -> object:
         """The memo of a step over the groups the optimizer holds now: ``"all"``; where a framework steps

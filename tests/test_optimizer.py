@@ -552,7 +552,7 @@ def test_last_step_records_the_step_for_a_logger(monkeypatch):
     # decided on the device: the skipped matrix was whitened (work done, counted) and not applied
     assert rec.step == 4 and rec.skipped == ("layers.0.up.weight",) and rec.whitened == 4
     assert opt.nonfinite_skips["layers.0.up.weight"] == 1
-    assert copy.deepcopy(opt)._steps == 4  # the count survives a copy (the record is not state)
+    assert copy.deepcopy(opt)._book.steps == 4  # the count survives a copy (the record is not state)
 
     # several SWAN groups: their lr x alpha weighted by their matrices
     two = SWAN([{"params": [("a", nn.Parameter(torch.randn(4, 4)))], "lr": 0.2},
