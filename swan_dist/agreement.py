@@ -128,8 +128,11 @@ def agree(entries: list[Entry], failure: BaseException | None, ctx, memo, groups
     engine = engine_descriptor(ctx.mode, ctx.bucket_mb, ctx.device, records)
     structure = memo.hashes.structure(records, engine)
     layout = memo.hashes.layout(pieces)
-    if is_fake(codes):  # torch's fake process group (a memory estimate): one rank simulated, no values cross
-        return Agreed(codes, (structure, (layout,) * ctx.world), None, False)
+    if is_fake(codes) and memo.agreement.agreed is None:  # a trace (torch's fake process group, fake tensors):
+        # the full agreement reads every rank's table, which a trace cannot; every rank is taken to agree, so
+        # that the steps traced after it run the steady step's agreement, as real ones do
+        memo.agreement.agreed, memo.agreement.layouts = (structure, layout, codes.numel()), (layout,) * ctx.world
+        return Agreed(codes, (structure, memo.agreement.layouts), None, False)
     if memo.agreement.agreed is not None:
         held, flags, blind = memo.agreement.fast(codes, structure, layout, scalar_hash(groups), ctx.group,
                                                  failure is not None)

@@ -256,12 +256,12 @@ def _close(ctx: StepContext, memo: EngineMemo, late: BaseException | None, agree
     """The step's last collective, and (unless ``defer``) its one host read: :meth:`Closing.outcome`."""
     held = torch.ones((), dtype=torch.bool, device=counts.device) if agreed.held is None else agreed.held
     flags = torch.full((1,), int(late is not None), dtype=torch.int32, device=counts.device)
-    status = torch.cat([flags, (~held).to(torch.int32).reshape(1), counts])
-    if is_fake(status):  # a fake step (torch's fake process group): no values cross, nothing to read
+    status = all_reduce_max(torch.cat([flags, (~held).to(torch.int32).reshape(1), counts]), ctx.group)
+    if is_fake(status):  # a trace (torch's fake process group): the status issued, its values never known
         if late is not None:
             raise late
         return StepResult(whitened, (), (), None)
-    closing = Closing(ctx, memo, late, agreed, all_reduce_max(status, ctx.group), named, missed, whitened)
+    closing = Closing(ctx, memo, late, agreed, status, named, missed, whitened)
     if defer:
         return StepResult(whitened, (), (), None, closing=closing)
     return closing.outcome(closing.status.tolist())

@@ -28,7 +28,7 @@ from .in_backward import InBackward, check_in_backward
 from .defaults import adamw_group_decay, pair, rank0, resolve
 from .records import Entry, Origin
 from .rules import FALLBACKS, check_group, check_scalars
-from .selection import Rule, classify, param_groups, tag_model, tagged_form, tagged_name
+from .selection import param_groups, rule_of, tag_model, tagged_name
 from .state import export_states, import_states, zero_states
 from .steps import StepBook
 from .summary import StepRecord, SummaryRow, log_info, summary_text, warn_unnamed
@@ -283,26 +283,12 @@ class SWAN(torch.optim.Optimizer):
                 self._origin.append([Origin(n, q) for n, q in zip(ns, ps)])
 
     def _rule(self, name: str | None, label: str, p: Member, forced: bool | None, group: dict) -> bool:
-        """Rule of one logical parameter, recorded for the summary; True for SWAN."""
-        shape = p.shape
-        if forced is not None:
-            rule = Rule(bool(forced), f"param group use_swan={bool(forced)}")
-            if rule.use_swan and len(shape) < 2:
-                raise ValueError(f"param group use_swan=True but {name or 'a parameter'} is {len(shape)}-D")
-        else:
-            rule = classify(name, p, self._include, self._exclude)
-        split_fused = bool(group.get("split_fused", True))
-        if rule.use_swan and p.parts:
-            rule = Rule(True, f"{rule.reason}; " + (f"whitened as {p.parts}" if split_fused else
-                                                     f"fused {p.parts} whitened whole (split_fused=False)"))
-        form = tagged_form(p)
-        if rule.use_swan and form is not None:
-            if form.transposed or form.split or form.stack:
-                self._forms[label] = form
-            words = form.describe(split_fused)
-            if words:
-                rule = Rule(True, words if rule.reason == form.what else f"{rule.reason}; {words}")
-        self._rows.append(SummaryRow(label, shape, "SWAN" if rule.use_swan else f"fallback:{group['fallback']}", rule))
+        """Rule of one logical parameter (:func:`~swan_dist.selection.rule_of`), recorded for the summary;
+        True for SWAN."""
+        rule, form = rule_of(name, p, forced, bool(group.get("split_fused", True)), self._include, self._exclude)
+        if form is not None:
+            self._forms[label] = form
+        self._rows.append(SummaryRow(label, p.shape, "SWAN" if rule.use_swan else f"fallback:{group['fallback']}", rule))
         return rule.use_swan
 
     def summary(self) -> str:

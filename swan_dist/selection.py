@@ -23,8 +23,8 @@ from torch import nn
 
 from .adapter import Form, Member, form_of, members_of, prepare_model
 
-__all__ = ["Rule", "DEFAULT_EXCLUDE", "classify", "tag_model", "param_groups", "collapse_name", "tagged_name",
-           "tagged_form", "TAG_ATTRS"]
+__all__ = ["Rule", "DEFAULT_EXCLUDE", "classify", "rule_of", "tag_model", "param_groups", "collapse_name",
+           "tagged_name", "tagged_form", "TAG_ATTRS"]
 
 # Module-path components that name an embedding or an output head (LLaMA, HF, GPT-2, Megatron, ...).
 DEFAULT_EXCLUDE = (
@@ -86,6 +86,31 @@ def classify(
 
 
 _WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
+
+
+def rule_of(name: str | None, member: Member, forced: bool | None, split_fused: bool,
+            include: Sequence[str], exclude: Sequence[str]) -> tuple[Rule, Form | None]:
+    """The rule of one logical parameter and why: its group's ``use_swan`` where given (``forced``; a
+    matrix only), else :func:`classify`; its fused parts and stored form described in the reason. Also
+    the form the optimizer keeps for a SWAN matrix stored otherwise than one plain matrix (transposed,
+    fused, stacked), else ``None``."""
+    shape = member.shape
+    if forced is not None:
+        rule = Rule(bool(forced), f"param group use_swan={bool(forced)}")
+        if rule.use_swan and len(shape) < 2:
+            raise ValueError(f"param group use_swan=True but {name or 'a parameter'} is {len(shape)}-D")
+    else:
+        rule = classify(name, member, include, exclude)
+    if rule.use_swan and member.parts:
+        rule = Rule(True, f"{rule.reason}; " + (f"whitened as {member.parts}" if split_fused else
+                                                 f"fused {member.parts} whitened whole (split_fused=False)"))
+    form = tagged_form(member)
+    if not rule.use_swan or form is None:
+        return rule, None
+    words = form.describe(split_fused)
+    if words:
+        rule = Rule(True, words if rule.reason == form.what else f"{rule.reason}; {words}")
+    return rule, form if (form.transposed or form.split or form.stack) else None
 
 
 def clean_name(name: str) -> str:

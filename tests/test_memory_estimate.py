@@ -76,10 +76,12 @@ def test_fake_step_runs_without_host_reads():
 
 
 @pytest.mark.parametrize("mode, in_backward", [("owner", False), ("replicated", False), ("owner", True)])
-def test_fsdp2_step_under_the_fake_process_group(mode, in_backward):
+def test_fsdp2_step_under_the_fake_process_group(mode, in_backward, monkeypatch):
     """One rank of four simulated (torch's fake process group: no communication) with fake tensors: SWAN's
     FSDP2 step runs (the owners' plan from every rank's ranges, known from the DTensor layout), and
-    MemTracker sees this rank's quarter of the parameters and an owner's exchange buffers."""
+    MemTracker sees this rank's quarter of the parameters and an owner's exchange buffers. The traced
+    steady step is the real one: its agreement's and its status's ``all_reduce`` issued (only the status's
+    read left out)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -106,16 +108,29 @@ def test_fsdp2_step_under_the_fake_process_group(mode, in_backward):
                 opt.zero_grad()
 
             step()
+            if in_backward:  # the first step is step()'s own, the second the first made during backward
+                step()
+            reduced = []
+            real_all_reduce = dist.all_reduce
+
+            def all_reduce(t, op=dist.ReduceOp.SUM, **kw):
+                reduced.append(op)
+                return real_all_reduce(t, op=op, **kw)
+
+            monkeypatch.setattr(dist, "all_reduce", all_reduce)
             tracker = MemTracker()
             tracker.track_external(model, opt)
             with tracker:
                 step()
+            monkeypatch.undo()
             peak = {getattr(k, "value", str(k)): int(v)
                     for k, v in tracker.get_tracker_snapshot("peak")[torch.device("cpu")].items()}
             assert all(isinstance(p.to_local(), FakeTensor) for p in model.parameters())
     finally:
         dist.destroy_process_group()
     assert peak["Parameter"] == full // world
+    n_max = reduced.count(dist.ReduceOp.MAX)  # per engine step: the agreement, then the closing status
+    assert n_max == 2, reduced
     if not in_backward:  # (inside backward the step's workspace counts as backward's temporaries)
         assert peak["Optstate"] > 0  # the step's workspace: owners' stacks, exchange buffers
 
