@@ -12,6 +12,7 @@ import shlex
 import subprocess
 import sys
 from pathlib import Path
+from typing import Callable
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
 HEADER = (
@@ -157,3 +158,38 @@ def against(commit: str, script: str, argv: list[str], rounds: int = 2) -> tuple
                 subprocess.run([sys.executable, script, *argv, "--no-write", "--json", str(out)], env=env, check=True)
                 runs[k].append(json.loads(out.read_text()))
     return runs
+
+
+def against_table(commit: str, new: list[list[dict]], old: list[list[dict]], group: tuple[str, str, str],
+                  ref: tuple[str, str], extra: tuple[str, Callable[[dict, dict], str]] | None = None,
+                  ) -> tuple[list[str], dict[tuple, tuple[float, float]]]:
+    """The Markdown table of :func:`against`'s runs (rows with ``name`` and median step seconds ``t``): per
+    row, keyed by its ``group`` field and ``name``, the best of the rounds' medians (a round slowed by the
+    machine counts least) on this checkout and on ``commit``, their ratio, and the ratio with each run's
+    time taken relative to its own ``ref`` row of the same group.
+
+    ``group``: (row field, column header, column alignment such as ``---:``); ``ref``: (optimizer name, as
+    the header calls it); ``extra``: a last column's header and its cell from the two best rows (this
+    checkout's, ``commit``'s). Returns the table's lines and, per key, (ratio, ratio relative to ``ref``)."""
+    def best(runs: list[list[dict]]) -> dict[tuple, dict]:
+        out: dict[tuple, dict] = {}
+        for run in runs:
+            for r in run:
+                key = (r[group[0]], r["name"])
+                if key not in out or r["t"] < out[key]["t"]:
+                    out[key] = r
+        return out
+
+    a, b = best(new), best(old)
+    head = f"| {group[1]} | optimizer | this commit (ms) | {commit} (ms) | ratio | ratio, each vs its {ref[1]} |"
+    sep = f"|{group[2]}|---|---:|---:|---:|---:|"
+    if extra:
+        head, sep = f"{head} {extra[0]} |", f"{sep}---|"
+    lines, ratios = [head, sep], {}
+    for (g, name), r in a.items():
+        r0 = b[(g, name)]
+        t, t0 = r["t"], r0["t"]
+        ratios[(g, name)] = (t / t0, (t / a[(g, ref[0])]["t"]) / (t0 / b[(g, ref[0])]["t"]))
+        line = f"| {g} | {name} | {t * 1e3:.2f} | {t0 * 1e3:.2f} | {t / t0:.2f}x | {ratios[(g, name)][1]:.2f}x |"
+        lines.append(f"{line} {extra[1](r, r0)} |" if extra else line)
+    return lines, ratios

@@ -8,21 +8,26 @@
 3. Planner balance (Σ over buckets of the slowest owner's cost vs lower bounds) for the matrix shapes of
    LLaMA 130M, 350M, 1.3B and 7B at W = 8, 64, 512 (computed, no processes; ``--planner-only`` runs
    just this one and refreshes just its section; ``--step-only`` runs just 1. and 2.).
+4. ``--against COMMIT``: the step times of 1. on this checkout's swan_dist against COMMIT's, the script run
+   on each in turn (``--rounds`` times each), as ratios.
 Writes sections of docs/benchmarks.md.
 
     python benchmarks/engine.py --world 2 --size small --steps 5
     python benchmarks/engine.py --planner-only
     python benchmarks/engine.py --step-only --steps 15
+    python benchmarks/engine.py --step-only --steps 10 --against 1aaf204 --rounds 2
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import socket
 import statistics
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -32,7 +37,7 @@ from swan_dist.functional import WhitenConfig
 from swan_dist.plan import MatrixSpec, row_shard_ranges
 from swan_dist.whitening import swan_exchange, swan_plan
 
-from _report import write_section  # noqa: E402 (benchmarks/ is the script's folder)
+from _report import against, against_table, write_section  # noqa: E402 (benchmarks/ is the script's folder)
 
 # (dim, ffn, layers) of the GaLore/SWAN LLaMA configurations.
 LLAMA = {"130M": (768, 2048, 12), "350M": (1024, 2736, 24), "1.3B": (2048, 5461, 24), "7B": (4096, 11008, 32)}
@@ -228,11 +233,16 @@ def _worker(rank: int, world: int, port: int, size: str, steps: int, out: str) -
 TARGET = 1.85  # replicated / owner at W=2 (2x is the ideal)
 
 
-def step_table(world: int, size: str, steps: int) -> str:
+def run_steps(world: int, size: str, steps: int) -> list[tuple]:
+    """The workers' rows: (layout, optimizer, median step s, bytes sent / step, bytes of SWAN's matrices,
+    median whitening s or None)."""
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "res.pt")
         mp.start_processes(_worker, args=(world, _free_port(), size, steps, out), nprocs=world, start_method="spawn")
-        results = torch.load(out)
+        return torch.load(out)
+
+
+def step_table(results: list[tuple], world: int, size: str, steps: int) -> str:
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"CPU, {world} processes of {max(1, (os.cpu_count() or 2) // world)} thread(s)"
     lines = [
         f"Reference model `{size}`, W={world}, {device}, torch {torch.__version__}; optimizer.step() only, "
@@ -294,7 +304,17 @@ def main() -> None:
                       help="only the planner table (computed, no processes); refreshes only its section")
     only.add_argument("--step-only", action="store_true",
                       help="only the step-time table (W processes); refreshes only its section")
+    ap.add_argument("--json", help="also write the step table's rows (layout, optimizer, median step and whitening "
+                    "seconds) here")
+    ap.add_argument("--against", metavar="COMMIT", help="the step table only: run it on this checkout and on "
+                    "COMMIT's swan_dist in turn, --rounds times each, and write the ratios (section "
+                    "engine-step-<device>-against)")
+    ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args()
+    if args.against:
+        if args.planner_only:
+            ap.error("--against compares the step table; it does not go with --planner-only")
+        return compare(args)
     if not args.step_only:
         plan_text = planner_table(args.bucket_mb)
         print(plan_text)
@@ -302,12 +322,50 @@ def main() -> None:
             write_section("engine-planner", "Owner engine: planner balance (planning only, no device)", plan_text)
     if args.planner_only:
         return
-    step_text = step_table(args.world, args.size, args.steps)
+    results = run_steps(args.world, args.size, args.steps)
+    if args.json:
+        rows = [dict(layout=r[0], name=r[1], t=r[2], whiten=None if r[1] == "adamw" else r[5]) for r in results]
+        Path(args.json).write_text(json.dumps(rows))
+    step_text = step_table(results, args.world, args.size, args.steps)
     print(step_text)
     if not args.no_write:
         kind = "cuda" if torch.cuda.is_available() else "cpu"
         write_section(f"engine-step-{kind}", f"Owner engine ({kind.upper() if kind == 'cpu' else 'GPU'}): step time and bytes at W={args.world}", step_text)
 
+
+
+def compare(args: argparse.Namespace) -> None:
+    """This checkout's step table against ``args.against``'s, the same script run on each in turn: per layout
+    and optimizer the best of the rounds' medians, the ratio of the two, and the same ratio with each run's
+    time taken relative to its own adamw step."""
+    argv = ["--step-only", "--world", str(args.world), "--size", args.size, "--steps", str(args.steps)]
+    new, old = against(args.against, __file__, argv, args.rounds)
+    measured = any(r["whiten"] is not None for run in new for r in run)  # on the CPU only
+    ms = lambda w: "-" if w is None else f"{w * 1e3:.1f}"  # noqa: E731
+    whitening = (f"whitening (ms): this, {args.against}", lambda r, r0: f"{ms(r['whiten'])}, {ms(r0['whiten'])}")
+    lines, ratios = against_table(args.against, new, old, ("layout", "layout", "---"), ("adamw", "adamw"),
+                                  whitening if measured else None)
+
+    swan = {key: ratio for key, ratio in ratios.items() if key[1] != "adamw"}
+    spread = lambda xs: f"{min(xs):.2f}-{max(xs):.2f}x"  # noqa: E731
+    per_layout = [f"{layout}: {spread([r for (g, _), (r, _) in swan.items() if g == layout])} "
+                  f"({spread([q for (g, _), (_, q) in swan.items() if g == layout])} each vs its adamw; "
+                  f"adamw {ratios[(layout, 'adamw')][0]:.2f}x)" for layout in dict.fromkeys(g for g, _ in ratios)]
+    worst = max(swan, key=lambda key: swan[key][1])
+    intro = (f"This script's step table (reference model `{args.size}`, W={args.world}, the section above: median "
+             f"over {args.steps} steps of the slowest rank's step) run {args.rounds} times on this commit's swan_dist "
+             f"and {args.rounds} times on commit {args.against}'s, in turn; per row the best of the rounds' medians. "
+             "A ratio under 1 is this commit faster.")
+    if measured:
+        intro += " Whitening: the slowest rank's time in the whitening itself, in the round kept."
+    summary = (f"The SWAN rows' step time against {args.against}: {'; '.join(per_layout)}. The highest ratio each "
+               f"vs its adamw: {worst[0]} {worst[1]}, {swan[worst][1]:.2f}x.")
+    text = "\n".join([intro, "", *lines, "", summary])
+    print(text)
+    if not args.no_write:
+        kind = "cuda" if torch.cuda.is_available() else "cpu"
+        write_section(f"engine-step-{kind}-against", f"Owner engine ({kind.upper() if kind == 'cpu' else 'GPU'}): "
+                      f"this commit against {args.against}", text)
 
 if __name__ == "__main__":
     main()

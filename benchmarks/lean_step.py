@@ -48,7 +48,7 @@ from torch import nn
 
 from swan_dist.host_reads import HostReads
 
-from _report import against, write_section  # noqa: E402 (benchmarks/ is the script's folder)
+from _report import against, against_table, write_section  # noqa: E402 (benchmarks/ is the script's folder)
 
 TARGET = 2.0  # SWAN (whitening none) within 2x of AdamW (foreach) per tensor
 # The same script on the optimizer before the lean step (swan_dist/optimizer.py and adapter.py of commit
@@ -334,22 +334,8 @@ def compare(args: argparse.Namespace) -> None:
     argv = ["--layers", str(args.layers), "--dim", str(args.dim), "--steps", str(args.steps), "--world",
             str(args.world), "--device", args.device, "--threads", str(args.threads)]
     new, old = against(args.against, __file__, argv, args.rounds)
-
-    def best(runs):
-        out: dict = {}
-        for run in runs:
-            for r in run:
-                key = (r["world"], r["name"])
-                out[key] = min(out.get(key, (float("inf"), 0)), (r["t"], r["syncs"]))
-        return out
-
-    a, b = best(new), best(old)
-    lines = [f"| W | optimizer | this commit (ms) | {args.against} (ms) | ratio | ratio, each vs its AdamW foreach | "
-             f"host reads / step: this, {args.against} |", "|---:|---|---:|---:|---:|---:|---|"]
-    for (w, name), (t, syncs) in a.items():
-        t0, syncs0 = b[(w, name)]
-        rel = (t / a[(w, "adamw-foreach")][0]) / (t0 / b[(w, "adamw-foreach")][0])
-        lines.append(f"| {w} | {name} | {t * 1e3:.2f} | {t0 * 1e3:.2f} | {t / t0:.2f}x | {rel:.2f}x | {syncs}, {syncs0} |")
+    lines, _ = against_table(args.against, new, old, ("world", "W", "---:"), ("adamw-foreach", "AdamW foreach"),
+                             (f"host reads / step: this, {args.against}", lambda r, r0: f"{r['syncs']}, {r0['syncs']}"))
     text = "\n".join([
         f"This script's model ({args.layers} layers x 7 `Linear({args.dim}, {args.dim})`, the rows of the section "
         f"above), run {args.rounds} times on this commit's swan_dist and {args.rounds} times on commit "
