@@ -334,13 +334,17 @@ def _finite(grads: list[Tensor]) -> Tensor:
         per = max(1, _STACK // n)
         for k in range(0, len(idx), per):
             chunk = idx[k:k + per]
-            rows = torch.stack([grads[i].reshape(-1) for i in chunk])  # (amax, amin per row: faster than aminmax)
+            rows = torch.stack([_flat(grads[i]) for i in chunk])  # (amax, amin per row: faster than aminmax)
             parts.append((chunk, rows.amax(1).isfinite() & rows.amin(1).isfinite()))
     if big:
         parts.append((big, torch.stack([torch.stack(torch.aminmax(grads[i].reshape(-1))) for i in big]).isfinite().all(1)))
     if len(parts) == 1 and parts[0][0] == list(range(len(grads))):
         return parts[0][1]
     return assemble(len(grads), parts, torch.zeros((), dtype=torch.bool))
+
+
+def _flat(t: Tensor) -> Tensor:
+    return t if t.dim() == 1 else t.reshape(-1)  # (a piece's gradient is flat already: no reshape call)
 
 
 # CPU finite check: gradients of at most _SMALL elements are stacked by size, _STACK elements per stack

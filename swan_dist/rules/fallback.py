@@ -107,7 +107,8 @@ def _adamw(state: dict, group: dict, pieces: list[Piece], skip: Tensor | None) -
                 _adamw_functional(targets, grads, m, v, [], st, fused=True, found_inf=skip, **kw)
                 continue
             pos = {id(pc): i for i, pc in enumerate(pieces)}
-            _fused_each(targets, grads, m, v, st, [skip[pos[id(pc)]] for pc in kind], kw)
+            each = skip.to(targets[0].device).unbind(0)  # (one call for every piece's flag)
+            _fused_each(targets, grads, m, v, st, [each[pos[id(pc)]] for pc in kind], kw)
             continue
         saved = None if skip is None else [[x.clone() for x in xs] for xs in (targets, m, v, st)]
         if isinstance(lr, Tensor):  # torch's foreach AdamW takes a tensor lr only as capturable (not on the CPU)
@@ -127,8 +128,8 @@ def _adamw(state: dict, group: dict, pieces: list[Piece], skip: Tensor | None) -
 def _fused_each(targets, grads, m, v, steps, flags: list[Tensor], kw: dict) -> None:
     """torch's fused AdamW with one ``found_inf`` per tensor (a kernel each, as the flag is per call), the step
     counts advanced for all at once and put back where the flag is set, as torch's ``_fused_adam`` does for
-    one flag: the kernels called directly, without the functional's per-call bookkeeping."""
-    flags = [f.to(targets[0].device) for f in flags]
+    one flag: the kernels called directly, without the functional's per-call bookkeeping. ``flags`` are on
+    the targets' device."""
     lr = kw["lr"]
     if isinstance(lr, Tensor):
         lr = lr.to(targets[0].device)
