@@ -14,22 +14,29 @@ On a glibc CPU the whole measurement runs a second time in a child process with 
 (``MALLOC_MMAP_THRESHOLD_`` / ``MALLOC_TRIM_THRESHOLD_``): by default glibc returns large freed buffers
 to the kernel and each step faults fresh, zeroed pages in again, which the first rows pay and the
 second do not.
-Writes the `whitening-<device>` section of docs/benchmarks.md.
+Writes the `whitening-<device>` section of docs/benchmarks.md. ``--against COMMIT``: instead, this
+checkout's ``swan_update`` against COMMIT's (its ``swan_dist`` imported beside this one), per stack,
+timed in turn in one process (section `whitening-<device>-against`).
 
     python benchmarks/whitening.py --size small
+    python benchmarks/whitening.py --size small --against 1aaf204 --reps 15
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
+import importlib
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+import types
 from collections import Counter
 
 import torch
@@ -94,6 +101,60 @@ def _no_trim_rows(args) -> list:
             return [tuple(r) for r in json.load(f)]
 
 
+def _functional_at(commit: str):
+    """``swan_dist.functional`` as it was at ``commit``: its package extracted to a temporary folder and
+    imported as ``swan_dist_at``, beside this checkout's."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    folder = tempfile.mkdtemp()
+    atexit.register(shutil.rmtree, folder, True)
+    archive = subprocess.run(["git", "archive", commit, "swan_dist"], cwd=root, capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", folder], input=archive, check=True)
+    package = types.ModuleType("swan_dist_at")
+    package.__path__ = [os.path.join(folder, "swan_dist")]
+    sys.modules["swan_dist_at"] = package
+    return importlib.import_module("swan_dist_at.functional")
+
+
+def compare(args, stacks: dict, device: torch.device) -> None:
+    """Per dtype, preset and stack: this checkout's ``swan_update`` and ``args.against``'s, called in turn
+    ``args.reps`` times each (a change in the machine's load hits both alike); medians and their ratio."""
+    import swan_dist.functional as this
+
+    other = _functional_at(args.against)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    lines = [f"| dtype | preset | stack | this commit (ms) | {args.against} (ms) | ratio |", "|---|---|---|---:|---:|---:|"]
+    for dt in (args.dtypes or "float32,bfloat16").split(","):
+        for label, base in PRESETS.items():
+            total = [0.0, 0.0]
+            for shape, stack in stacks.items():
+                runs = [(m, m.WhitenConfig(base.method, base.steps, base.beta, dtype=dt)) for m in (this, other)]
+                times: list[list[float]] = [[], []]
+                for rep in range(args.reps + 2):  # (two warm-up rounds)
+                    for k, (m, cfg) in enumerate(runs):
+                        sync()
+                        t0 = time.perf_counter()
+                        m.swan_update(stack, cfg)
+                        sync()
+                        if rep >= 2:
+                            times[k].append(time.perf_counter() - t0)
+                new, old = (statistics.median(t) for t in times)
+                total = [total[0] + new, total[1] + old]
+                lines.append(f"| {dt} | {label} | {stack.shape[0]}x {list(shape)} | {new * 1e3:.2f} | {old * 1e3:.2f} | "
+                             f"{new / old:.2f}x |")
+            lines.append(f"| {dt} | {label} | **all** | {total[0] * 1e3:.2f} | {total[1] * 1e3:.2f} | "
+                         f"**{total[0] / total[1]:.2f}x** |")
+    dev = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
+    text = "\n".join([
+        f"Reference model `{args.size}`'s matrices stacked by shape (as the whitening section above), {dev}, "
+        f"torch {torch.__version__}: `swan_update` of this commit and of commit {args.against}, imported side by "
+        f"side in one process and called in turn, median of {args.reps} each. A ratio under 1 is this commit faster.",
+        "", *lines])
+    print(text)
+    if not args.no_write:
+        write_section(f"whitening-{device.type}-against", f"Whitening ({'GPU' if device.type == 'cuda' else 'CPU'}): "
+                      f"this commit against {args.against}", text)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size", default="small")
@@ -105,6 +166,7 @@ def main() -> None:
     ap.add_argument("--no-write", action="store_true")
     ap.add_argument("--no-allocator-run", action="store_true", help="skip the second run with glibc's trimming off")
     ap.add_argument("--rows-out", help=argparse.SUPPRESS)  # the child run: write the rows here, nothing else
+    ap.add_argument("--against", metavar="COMMIT", help="this checkout's swan_update against COMMIT's, in one process")
     args = ap.parse_args()
     device = torch.device(args.device)
     timed = _timer(device, args.reps)
@@ -113,6 +175,8 @@ def main() -> None:
     shapes = Counter(tuple(p.shape) for n, p in model.named_parameters()
                      if p.dim() == 2 and "tok_embeddings" not in n and not n.startswith("output"))
     stacks = {s: torch.randn(c, *s, device=device) * 1e-3 for s, c in sorted(shapes.items())}
+    if args.against:
+        return compare(args, stacks, device)
     dtypes = (args.dtypes or "float32,bfloat16").split(",")
     big = 4096 if device.type == "cuda" else 1024
     compiled = args.compile == "yes" or (args.compile == "auto" and device.type == "cuda")
