@@ -8,11 +8,12 @@ from typing import Any, Iterable
 
 import torch.distributed as dist
 
+from .engine import MODES
 from .lr import MATRIX_RATIO, WARN_BELOW, from_adamw
 from .presets import OPTIMIZER_KEYS, load_preset
 from .rules import check_group
 
-__all__ = ["BASE", "resolve", "adamw_group_decay", "pair", "rank0"]
+__all__ = ["BASE", "resolve", "check_engine", "adamw_group_decay", "pair", "rank0"]
 
 # Hyper-parameters with a meaning independent of any preset. lr has no default without a preset.
 BASE = dict(
@@ -68,6 +69,16 @@ def _from_adamw_lr(preset: str | None, explicit: dict[str, Any], adamw_lr: float
     conv = from_adamw(adamw_lr, weight_decay=explicit.get("weight_decay"), preset=preset, alpha=explicit.get("alpha"))
     return {"lr": conv["lr"], "fallback_lr": conv.get("fallback_lr"),
             **({"weight_decay": conv["weight_decay"]} if "weight_decay" in conv else {})}
+
+
+def check_engine(mode: str, bucket_mb: Any, capturable: Any) -> None:
+    """The optimizer's engine options (not param-group options), checked at construction."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) or not 0 < bucket_mb < float("inf"):
+        raise ValueError(f"swan_dist: bucket_mb must be a positive number of MB, got {bucket_mb!r}")
+    if not isinstance(capturable, bool):
+        raise TypeError(f"swan_dist: capturable must be True or False, got {capturable!r}")
 
 
 def adamw_group_decay(params: Iterable[Any]) -> list:

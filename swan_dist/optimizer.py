@@ -23,9 +23,9 @@ from torch import Tensor, nn
 
 from .adapter import Form, Member, adapter_for, name_bare_params, optimizer_built, step_key
 from .collect import Collector, Holdings
-from .engine import MODES, Deferred, EngineMemo, StepContext, StepResult, run_step
+from .engine import Deferred, EngineMemo, StepContext, StepResult, run_step
 from .in_backward import InBackward, check_in_backward
-from .defaults import adamw_group_decay, pair, rank0, resolve
+from .defaults import adamw_group_decay, check_engine, pair, rank0, resolve
 from .records import Entry, Origin
 from .rules import FALLBACKS, check_group, check_scalars
 from .selection import param_groups, rule_of, tag_model, tagged_name
@@ -185,12 +185,7 @@ class SWAN(torch.optim.Optimizer):
             eps=eps, nonfinite=nonfinite, fallback_lr=fallback_lr, split_fused=split_fused), adamw_lr)
         if adamw_lr is not None and not isinstance(params, nn.Module):
             params = adamw_group_decay(params)
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-        if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) or not 0 < bucket_mb < float("inf"):
-            raise ValueError(f"swan_dist: bucket_mb must be a positive number of MB, got {bucket_mb!r}")
-        if not isinstance(capturable, bool):
-            raise TypeError(f"swan_dist: capturable must be True or False, got {capturable!r}")
+        check_engine(mode, bucket_mb, capturable)
         self.capturable = capturable  # each group's lr a 0-d tensor on its parameters' device
         self.mode, self.bucket_mb, self.process_group = mode, float(bucket_mb), process_group
         self._memos: dict[object, EngineMemo] = {}  # per set of entries stepped: agreement, hashes, plans

@@ -48,6 +48,7 @@ def _step(model, opt, seed=0):
     (dict(bucket_mb=-5), "bucket_mb", ValueError),
     (dict(bucket_mb=float("nan")), "bucket_mb", ValueError),
     (dict(nonfinite="ignore"), "nonfinite", ValueError),
+    (dict(mode="sharded"), "mode", ValueError),
 ])
 def test_bad_hyper_parameters_are_refused_at_construction(kw, key, exc):
     with pytest.raises(exc, match=key.replace("[", r"\[").replace("]", r"\]")):
