@@ -333,7 +333,6 @@ def main() -> None:
         write_section(f"engine-step-{kind}", f"Owner engine ({kind.upper() if kind == 'cpu' else 'GPU'}): step time and bytes at W={args.world}", step_text)
 
 
-
 def compare(args: argparse.Namespace) -> None:
     """This checkout's step table against ``args.against``'s, the same script run on each in turn: per layout
     and optimizer the best of the rounds' medians, the ratio of the two, and the same ratio with each run's
@@ -366,6 +365,7 @@ def compare(args: argparse.Namespace) -> None:
         kind = "cuda" if torch.cuda.is_available() else "cpu"
         write_section(f"engine-step-{kind}-against", f"Owner engine ({kind.upper() if kind == 'cpu' else 'GPU'}): "
                       f"this commit against {args.against}", text)
+
 
 if __name__ == "__main__":
     main()
