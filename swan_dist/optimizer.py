@@ -21,16 +21,17 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from .adapter import Form, Member, adapter_for, name_bare_params, optimizer_built, step_key
+from .adapter import Form, name_bare_params, optimizer_built, step_key
 from .collect import Collector, Holdings
 from .engine import Deferred, EngineMemo, StepContext, StepResult, run_step
 from .in_backward import InBackward, check_in_backward
-from .defaults import adamw_group_decay, check_engine, pair, rank0, resolve
+from .defaults import adamw_group_decay, check_engine, rank0, resolve
 from .records import Entry, Origin
-from .rules import FALLBACKS, check_group, check_scalars
-from .selection import param_groups, rule_of, tag_model, tagged_name
+from .groups import Classified, lr_on_device, split_group
+from .rules import FALLBACKS, check_scalars
+from .selection import param_groups, tag_model, tagged_name
 from .state import export_states, import_states, zero_states
-from .steps import StepBook
+from .steps import StepBook, group_rates
 from .summary import StepRecord, SummaryRow, log_info, summary_text, warn_unnamed
 
 __all__ = ["SWAN", "FALLBACKS", "StepRecord"]
@@ -59,21 +60,6 @@ def _as_groups(params: Iterable[Any] | nn.Module, include: list[str], exclude: l
     elif bare and all(tagged_name(p) is None for p in bare) and (found := name_bare_params(bare)) is not None:
         tag_model(found, include, exclude)
     return params
-
-
-def _held(value: Any) -> Any:
-    """A param group's scalar as a step used it: a tensor (a scheduler may change it in place) copied on its
-    device, never read on the host."""
-    return value.detach().clone() if isinstance(value, Tensor) else value
-
-
-def _on_device(lr: Any, params: list) -> Tensor:
-    """``lr`` as the 0-d fp32 tensor ``capturable=True`` keeps, on ``params``' device (the CPU without
-    any): made once, then updated in place by schedulers (torch's LRScheduler fills a tensor lr)."""
-    device = params[0].device if params else torch.device("cpu")
-    if isinstance(lr, Tensor):
-        return lr if lr.device == device and lr.dim() == 0 else lr.detach().reshape(()).to(device, torch.float32)
-    return torch.tensor(float(lr), dtype=torch.float32, device=device)
 
 
 class SWAN(torch.optim.Optimizer):
@@ -232,59 +218,12 @@ class SWAN(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ groups and summary
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Classify each parameter and add one SWAN and/or one fallback group with the same options."""
-        group = dict(param_group)
-        raw = group.pop("params")
-        raw = [raw] if isinstance(raw, Tensor) else list(raw)
-        names = group.pop("param_names", None)
-        if raw and isinstance(raw[0], tuple):
-            names, raw = [n for n, _ in raw], [p for _, p in raw]
-        forced = group.pop("use_swan", None)
-        for key, value in self.defaults.items():
-            group.setdefault(key, value)
-        group["betas"] = pair(group["betas"])
-        check_group(group)
-        split: dict[bool, tuple[list, list]] = {True: ([], []), False: ([], [])}
-        for i, p in enumerate(raw):
-            name = names[i] if names is not None else tagged_name(p)
-            label = name if name is not None else f"<unnamed {len(self._rows)}>"
-            if p.is_complex():
-                raise ValueError(
-                    f"swan_dist: {label!r} is complex ({p.dtype}); SWAN and its fallback rules update real tensors: "
-                    "store it as a real parameter (torch.view_as_real) or give it to another optimizer")
-            adapter = adapter_for(p)
-            adapter.check(p, label)  # layouts no adapter supports are refused here, on every rank alike
-            members = adapter.members(p, name)
-            if len(members) > 1 or members[0].holder is not p:  # a tensor packing several parameters (an FSDP1
-                # FlatParameter): each gets its rule; the tensor sits in the fallback group, whose rule keeps
-                # state for its fallback members only
-                self._packed[p] = tuple(self._rule(m.name, m.name, m, forced, group) for m in members)
-                use = False
-            else:
-                use = self._rule(name, label, members[0], forced, group)
-            split[use][0].append(p)
-            split[use][1].append(label)
-        for use in (True, False):
-            ps, ns = split[use]
-            if ps or (not raw and use):
-                g = {**group, "params": ps, "use_swan": use}
-                if not use and group["fallback_lr"] is not None:
-                    g["lr"] = group["fallback_lr"]
-                if self.capturable:
-                    g["lr"] = _on_device(g["lr"], ps)
-                if names is not None:
-                    g["param_names"] = ns
-                super().add_param_group(g)
-                self._origin.append([Origin(n, q) for n, q in zip(ns, ps)])
-
-    def _rule(self, name: str | None, label: str, p: Member, forced: bool | None, group: dict) -> bool:
-        """Rule of one logical parameter (:func:`~swan_dist.selection.rule_of`), recorded for the summary;
-        True for SWAN."""
-        rule, form = rule_of(name, p, forced, bool(group.get("split_fused", True)), self._include, self._exclude)
-        if form is not None:
-            self._forms[label] = form
-        self._rows.append(SummaryRow(label, p.shape, "SWAN" if rule.use_swan else f"fallback:{group['fallback']}", rule))
-        return rule.use_swan
+        """Classify each parameter and add one SWAN and/or one fallback group with the same options
+        (:func:`swan_dist.groups.split_group`)."""
+        seen = Classified(self._include, self._exclude, self._rows, self._forms, self._packed)
+        for group, origin in split_group(param_group, self.defaults, seen, self.capturable):
+            super().add_param_group(group)
+            self._origin.append(origin)
 
     def summary(self) -> str:
         """Which parameters get SWAN and which the fallback rule, and why (layers collapsed to ``*``)."""
@@ -315,7 +254,7 @@ class SWAN(torch.optim.Optimizer):
         import_states(self.state, self.param_groups, self._packed)
         if self.capturable:  # an lr saved as a number or on another device: where this run keeps it
             for g in self.param_groups:
-                g["lr"] = _on_device(g["lr"], g["params"])
+                g["lr"] = lr_on_device(g["lr"], g["params"])
 
     # ------------------------------------------------------------------ step
     @torch.no_grad()
@@ -335,19 +274,8 @@ class SWAN(torch.optim.Optimizer):
         return loss
 
     def _end_step(self) -> None:
-        """Close the step under way as :attr:`last_step` (host values only: the groups' lr and alpha as this
-        step used them; names still on their way are read when the record is)."""
-        self._book.end_step([(_held(g["lr"]), _held(g["alpha"]), self._matrices(i), bool(g["use_swan"]))
-                             for i, g in enumerate(self.param_groups)])
-
-    def _matrices(self, index: int) -> int:
-        """SWAN's matrices in param group ``index`` as it was built: its tensors for a SWAN group, the SWAN
-        members of its packed tensors (an FSDP1 FlatParameter) for a fallback group."""
-        group = self.param_groups[index]
-        origin = self._origin[index] if index < len(self._origin) else [(None, p) for p in group["params"]]
-        if group["use_swan"]:
-            return len(origin)
-        return sum(sum(self._packed.get(p, ())) for _, p in origin if p is not None) if self._packed else 0
+        """Close the step under way as :attr:`last_step` (:func:`swan_dist.steps.group_rates`)."""
+        self._book.end_step(group_rates(self.param_groups, self._origin, self._packed))
 
     @property
     def last_step(self) -> StepRecord | None:

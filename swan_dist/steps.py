@@ -11,12 +11,35 @@ W > 1, the steps' closing statuses (read together: :meth:`StepBook.settle`).
 from __future__ import annotations
 
 from collections import Counter
-from typing import Sequence
+from typing import Any, Sequence
+
+from torch import Tensor
 
 from .engine import StepResult, settle
 from .summary import StepLog, StepRecord
 
-__all__ = ["StepBook"]
+__all__ = ["StepBook", "group_rates"]
+
+
+def _held(value: Any) -> Any:
+    """A param group's scalar as a step used it: a tensor (a scheduler may change it in place) copied on its
+    device, never read on the host."""
+    return value.detach().clone() if isinstance(value, Tensor) else value
+
+
+def group_rates(groups: Sequence[dict], origin: Sequence[Sequence], packed: dict) -> list[tuple]:
+    """Per param group, what :meth:`StepBook.end_step` keeps of a step: (lr, alpha, SWAN matrices, use_swan).
+    The matrices are counted as the group was built (``origin``: its (name, parameter) pairs): its tensors
+    for a SWAN group, the SWAN members of its packed tensors (an FSDP1 FlatParameter) for a fallback group."""
+    rates = []
+    for i, g in enumerate(groups):
+        given = origin[i] if i < len(origin) else [(None, p) for p in g["params"]]
+        if g["use_swan"]:
+            matrices = len(given)
+        else:
+            matrices = sum(sum(packed.get(p, ())) for _, p in given if p is not None) if packed else 0
+        rates.append((_held(g["lr"]), _held(g["alpha"]), matrices, bool(g["use_swan"])))
+    return rates
 
 
 class StepBook:
