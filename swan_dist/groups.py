@@ -20,7 +20,9 @@ from .rules import check_group
 from .selection import rule_of, tagged_name
 from .summary import SummaryRow
 
-__all__ = ["Classified", "split_group", "lr_on_device"]
+__all__ = ["Classified", "split_group", "on_device", "ON_DEVICE"]
+
+ON_DEVICE = ("lr", "alpha", "weight_decay")  # kept as 0-d tensors on the parameters' device by capturable=True
 
 
 @dataclass
@@ -42,13 +44,13 @@ class Classified:
         return rule.use_swan
 
 
-def lr_on_device(lr: Any, params: list) -> Tensor:
-    """``lr`` as the 0-d fp32 tensor ``capturable=True`` keeps, on ``params``' device (the CPU without
-    any): made once, then updated in place by schedulers (torch's LRScheduler fills a tensor lr)."""
+def on_device(value: Any, params: list) -> Tensor:
+    """An option of :data:`ON_DEVICE` as the 0-d fp32 tensor ``capturable=True`` keeps, on ``params``' device
+    (the CPU without any): made once, then updated in place (torch's LRScheduler fills a tensor lr)."""
     device = params[0].device if params else torch.device("cpu")
-    if isinstance(lr, Tensor):
-        return lr if lr.device == device and lr.dim() == 0 else lr.detach().reshape(()).to(device, torch.float32)
-    return torch.tensor(float(lr), dtype=torch.float32, device=device)
+    if isinstance(value, Tensor):
+        return value if value.device == device and value.dim() == 0 else value.detach().reshape(()).to(device, torch.float32)
+    return torch.tensor(float(value), dtype=torch.float32, device=device)
 
 
 def split_group(param_group: dict[str, Any], defaults: dict[str, Any], seen: Classified,
@@ -94,7 +96,7 @@ def split_group(param_group: dict[str, Any], defaults: dict[str, Any], seen: Cla
             if not use and group["fallback_lr"] is not None:
                 g["lr"] = group["fallback_lr"]
             if capturable:
-                g["lr"] = lr_on_device(g["lr"], ps)
+                g.update({key: on_device(g[key], ps) for key in ON_DEVICE})
             if names is not None:
                 g["param_names"] = ns
             out.append((g, [Origin(n, q) for n, q in zip(ns, ps)]))

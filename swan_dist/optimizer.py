@@ -27,7 +27,7 @@ from .engine import Deferred, EngineMemo, StepContext, StepResult, run_step
 from .in_backward import InBackward, check_in_backward
 from .defaults import adamw_group_decay, check_engine, rank0, resolve
 from .records import Entry, Origin
-from .groups import Classified, lr_on_device, split_group
+from .groups import ON_DEVICE, Classified, on_device, split_group
 from .rules import FALLBACKS, check_scalars
 from .selection import param_groups, tag_model, tagged_name
 from .state import export_states, import_states, zero_states
@@ -127,11 +127,13 @@ class SWAN(torch.optim.Optimizer):
             steps what backward left. One process, or FSDP2 / HSDP (pass the model: each FSDP module's
             parameters are stepped once reduced). Refused under DDP, DeepSpeed, FSDP1 and Megatron; global
             gradient clipping and pipeline parallelism cannot follow it (docs/optimizer.md).
-        capturable: keep each param group's ``lr`` as a 0-d fp32 tensor on its parameters' device (torch.optim's
-            name and meaning): an lr scheduler fills it in place (torch's ``LRScheduler`` does for a tensor lr),
+        capturable: keep each param group's ``lr``, ``alpha`` and ``weight_decay`` as 0-d fp32 tensors on its
+            parameters' device (torch.optim's name and meaning): an lr scheduler fills ``lr`` in place (torch's
+            ``LRScheduler`` does for a tensor lr; fill the others in place too, ``g["weight_decay"].fill_(v)``),
             the step reads no option on the host and sends nothing from it, so a steady step in one process can
-            be captured in a CUDA graph and replayed (docs/optimizer.md, "Capturing the step"). ``alpha``,
-            ``weight_decay``, ``betas`` and ``eps`` stay numbers: a graph holds them as they were at capture.
+            be captured in a CUDA graph and replayed (docs/optimizer.md, "Capturing the step"). The AdamW
+            fallback's ``betas`` and ``eps`` stay numbers (its fused kernel's constants): a graph holds them as
+            they were at capture.
     """
 
     def __init__(
@@ -252,9 +254,9 @@ class SWAN(torch.optim.Optimizer):
             state_dict = state_from_adamw(self, state_dict)
         super().load_state_dict(state_dict)
         import_states(self.state, self.param_groups, self._packed)
-        if self.capturable:  # an lr saved as a number or on another device: where this run keeps it
+        if self.capturable:  # options saved as numbers or on another device: where this run keeps them
             for g in self.param_groups:
-                g["lr"] = lr_on_device(g["lr"], g["params"])
+                g.update({key: on_device(g[key], g["params"]) for key in ON_DEVICE})
 
     # ------------------------------------------------------------------ step
     @torch.no_grad()

@@ -48,6 +48,11 @@ class SummaryRow(NamedTuple):
     rule: Rule
 
 
+def _value(option) -> object:
+    """An option as the summary shows it: a tensor's value (``capturable=True``; read when the summary is made)."""
+    return float(option) if isinstance(option, torch.Tensor) else option
+
+
 def summary_text(preset: str | None, rows_in: list[SummaryRow], param_groups: list[dict],
                  packed: dict[Tensor, tuple[bool, ...]]) -> str:
     """Which parameters get SWAN and which the fallback rule, and why (layers collapsed to ``*``)."""
@@ -71,7 +76,7 @@ def summary_text(preset: str | None, rows_in: list[SummaryRow], param_groups: li
                 where = f"dtype={g['whiten_dtype']} (parameters partitioned by the framework)"
             head.append(
                 f"  SWAN group: {g['whitening']} steps={g['ns_steps']} beta={g['beta']} "
-                f"grad_norm={g['grad_norm']} {where}, lr={g['lr']} x alpha={g['alpha']}"
+                f"grad_norm={g['grad_norm']} {where}, lr={_value(g['lr'])} x alpha={_value(g['alpha'])}"
             )
     head += [f"  {rule}: {n:,} parameters" for rule, n in sorted(numel.items())]
     width = max((len(k[1]) for k in rows), default=10)

@@ -1,5 +1,5 @@
-"""SWAN(..., capturable=True): each group's lr a 0-d tensor on its parameters' device, filled in place by an
-lr scheduler; the step equal to the ordinary one, reading nothing on the host and sending nothing from it
+"""SWAN(..., capturable=True): each group's lr, alpha and weight decay 0-d tensors on its parameters' device,
+lr filled in place by an lr scheduler, the others by the caller; the step equal to the ordinary one, reading nothing on the host and sending nothing from it
 (no tensor built from host values in a steady step: what a CUDA graph cannot hold); checkpoints between
 the two kinds; torch.compile(opt.step) without a recompile per lr change; and, where CUDA is present, a
 captured step replayed equal to eager."""
@@ -73,7 +73,8 @@ def test_capturable_equals_the_ordinary_step(options):
     o_ref = SWAN(ref, lr=0.01, verbose=False, **options)
     o_cap = SWAN(cap, lr=0.01, verbose=False, capturable=True, **options)
     lrs = [g["lr"] for g in o_cap.param_groups]
-    assert all(isinstance(lr, torch.Tensor) and lr.dim() == 0 for lr in lrs)
+    for key in ("lr", "alpha", "weight_decay"):
+        assert all(isinstance(g[key], torch.Tensor) and g[key].dim() == 0 for g in o_cap.param_groups), key
     reads, made = [], []
 
     def counted():
@@ -99,6 +100,44 @@ def test_capturable_equals_the_ordinary_step(options):
     assert o_cap.last_step.update_rms == pytest.approx(o_ref.last_step.update_rms, rel=1e-6)
 
 
+@pytest.mark.parametrize("fallback", ["adamw", "sign"])
+def test_options_filled_in_place_equal_numbers_written(fallback):
+    """A weight-decay and alpha schedule: written as numbers into the ordinary optimizer's groups, filled in
+    place into the capturable one's tensors; the weights agree, the steady steps read nothing on the host
+    and send nothing from it. A fallback parameter whose gradient is NaN (``nonfinite="skip"``) keeps its
+    value bit for bit, its decay (made apart from the fused kernel) masked on the device."""
+    ref, cap = _model(), _model()
+    o_ref = SWAN(ref, lr=0.01, verbose=False, weight_decay=0.1, fallback=fallback)
+    o_cap = SWAN(cap, lr=0.01, verbose=False, weight_decay=0.1, fallback=fallback, capturable=True)
+    held = [(g["alpha"], g["weight_decay"]) for g in o_cap.param_groups]
+    norm = dict(cap.named_parameters())["norm.weight"]
+    reads = []
+    for t in range(5):
+        for m, o in ((ref, o_ref), (cap, o_cap)):
+            o.zero_grad()
+            m(_batch(t)).logsumexp(-1).mean().backward()
+            for g in o.param_groups:
+                if isinstance(g["weight_decay"], torch.Tensor):
+                    g["weight_decay"].fill_(0.1 * (t + 1))
+                    g["alpha"].fill_(0.05 + 0.01 * t)
+                else:
+                    g["weight_decay"], g["alpha"] = 0.1 * (t + 1), 0.05 + 0.01 * t
+        if t == 4:
+            dict(ref.named_parameters())["norm.weight"].grad[0] = float("nan")
+            norm.grad[0] = float("nan")
+            before = norm.detach().clone()
+        with HostReads() as r, _HostValues() as made:
+            o_cap.step()
+        reads.append((r.n_ours, made.n, dict(r.ours)))
+        o_ref.step()
+    assert [x[:2] for x in reads[2:4]] == [(0, 0)] * 2, reads  # steady steps; then the NaN step, whose
+    assert reads[4][1] == 0 and all(k.startswith("swan_dist/engine.py") for k in reads[4][2]), reads  # names read
+    assert [(g["alpha"], g["weight_decay"]) for g in o_cap.param_groups] == held  # the same tensors
+    assert torch.equal(norm.detach(), before)
+    for (n, a), b in zip(ref.named_parameters(), cap.parameters()):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=n)
+
+
 def test_checkpoints_between_capturable_and_not():
     model = _model()
     opt = SWAN(model, lr=0.01, verbose=False, capturable=True)
@@ -112,6 +151,7 @@ def test_checkpoints_between_capturable_and_not():
         assert float(g["lr"]) == pytest.approx(s["lr"].item())
     lr = again.param_groups[0]["lr"]
     assert isinstance(lr, torch.Tensor) and lr.dim() == 0 and lr.item() == pytest.approx(0.01)
+    assert all(isinstance(g[k], torch.Tensor) for g in again.param_groups for k in ("lr", "alpha", "weight_decay"))
     again.load_state_dict(saved)
     assert all(isinstance(g["lr"], torch.Tensor) for g in again.param_groups)
 

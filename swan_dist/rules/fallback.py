@@ -100,17 +100,25 @@ def _adamw(state: dict, group: dict, pieces: list[Piece], skip: Tensor | None) -
             grads = [g if g.dtype == t.dtype and g.is_contiguous() else g.to(t.dtype).contiguous()
                      for t, g in zip(targets, grads)]
         lr = group["lr"] if isinstance(group["lr"], Tensor) else float(group["lr"])
+        wd = group["weight_decay"]
+        apart = isinstance(wd, Tensor)  # (capturable=True) the decay made before the kernel, which takes a number
         kw = dict(amsgrad=False, beta1=b1, beta2=b2, lr=lr,
-                  weight_decay=float(group["weight_decay"]), eps=float(group["eps"]), maximize=False)
+                  weight_decay=0.0 if apart else float(wd), eps=float(group["eps"]), maximize=False)
         if _fusable(targets, grads, m, v, st):  # a tensor lr as it is (the kernel reads it on the device)
+            pos = {id(pc): i for i, pc in enumerate(pieces)}
+            if apart:
+                keep = None if skip is None else (skip == 0).to(targets[0].device)
+                _decoupled(targets, lr, wd, keep if keep is None or keep.dim() == 0 else
+                           pick(keep, [pos[id(pc)] for pc in kind]))
             if skip is None or skip.dim() == 0:
                 _adamw_functional(targets, grads, m, v, [], st, fused=True, found_inf=skip, **kw)
                 continue
-            pos = {id(pc): i for i, pc in enumerate(pieces)}
             each = skip.to(targets[0].device).unbind(0)  # (one call for every piece's flag)
             _fused_each(targets, grads, m, v, st, [each[pos[id(pc)]] for pc in kind], kw)
             continue
         saved = None if skip is None else [[x.clone() for x in xs] for xs in (targets, m, v, st)]
+        if apart:  # (what skip masks is put back below)
+            _decoupled(targets, lr, wd, None)
         if isinstance(lr, Tensor):  # torch's foreach AdamW takes a tensor lr only as capturable (not on the CPU)
             if lr.device.type == "cpu":
                 kw["lr"] = float(lr)
@@ -123,6 +131,17 @@ def _adamw(state: dict, group: dict, pieces: list[Piece], skip: Tensor | None) -
             for xs, old in zip((targets, m, v, st), saved):
                 for x, o, k in zip(xs, old, keep):
                     x.copy_(torch.where(k.to(x.device) > 0, o, x))
+
+
+def _decoupled(targets: list[Tensor], lr: float | Tensor, wd: Tensor, keep: Tensor | None) -> None:
+    """AdamW's decoupled decay ``t ← t·(1 − lr·wd)`` made apart from its kernel, for a weight decay kept on
+    the device (``capturable=True``; torch's kernels take it as a number), computed there; where ``keep`` (a
+    bool per target, or one for all) is off the target is unchanged."""
+    decay = 1.0 - lr * wd.to(targets[0].device)
+    if keep is None:
+        _decay(targets, decay)
+    else:
+        _decay_masked(targets, decay, keep.expand(len(targets)) if keep.dim() == 0 else keep)
 
 
 def _fused_each(targets, grads, m, v, steps, flags: list[Tensor], kw: dict) -> None:
