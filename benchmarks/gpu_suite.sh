@@ -15,31 +15,35 @@
 #   c. benchmarks/whitening.py (swan_update vs its GEMMs, fp32 and bf16);
 #   d. benchmarks/cuda_numerics.py (SWAN's math and one optimizer step on the GPU vs fp64/CPU);
 #   d0. tests/test_capturable.py: no sync in steady steps (sync debug mode "error"), a CUDA graph of the step;
+#   d0b. benchmarks/captured_step.py: the step eager and captured at 1.3B and 7B (bf16) against AdamW foreach /
+#      fused and torch's Muon (writes `captured-step-cuda`); benchmarks/whitening.py at 1.3B's shapes (bf16);
 #   d1. benchmarks/memory.py --device cuda: peak allocated/reserved per optimizer, LLaMA 1.3B and
 #      7B in bf16 at batch 1 (writes `memory-cuda`; without CUDA a tiny CPU run instead, nothing written);
 #   d2. benchmarks/torchtitan.py --cuda: torchtitan's trainer at W=1, AdamW vs DistMuon vs SWAN step time and
 #      peak memory (writes `torchtitan-cuda`; soft: skipped where torchtitan, carried in .whl/, does not import);
 #   e. with a Megatron-LM checkout carried in .mlm/ (pretrain_gpt.py, megatron/; git-ignored):
 #      pretrain_gpt.py --optimizer swan end to end on NCCL (bf16, distributed optimizer, save + resume).
-# Logs, docs/benchmarks.md (with the sections written here) and a summary go to $OUT (the device
-# tool's folder; ./runs/gpu_suite elsewhere): 8 files, the most the device tool brings back.
-# Budget: SUITE_BUDGET_S seconds for the steps (default 420; 2-3 minutes expected on an H100).
+# A summary, docs/benchmarks.md (with the sections written here) and the logs (one per step, in logs.tar.gz) go
+# to $OUT (the device tool's folder, which brings back 8 files at most; ./runs/gpu_suite elsewhere).
+# Budget: SUITE_BUDGET_S seconds for the steps (default 540, under the device tool's 600 s a command); the steps
+# run in the order below, the optimizer step's first, so that a short loan measures what matters most.
 # Without CUDA (a dry run, e.g. PYTHON=.venv/bin/python) the benchmarks run on the CPU, write nothing.
 
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/runs/gpu_suite}
 mkdir -p "$OUT"
+LOGS=$(mktemp -d)  # the per-step logs, packed into $OUT/logs.tar.gz at the end
 export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 SITE=${SWAN_SITE:-/tmp/site}
-BUDGET=${SUITE_BUDGET_S:-420}
+BUDGET=${SUITE_BUDGET_S:-540}
 START=$(date +%s)
 SUMMARY="$OUT/summary.txt"
 : >"$SUMMARY"
 
 # step NAME TIMEOUT_S CMD...: run CMD with at most TIMEOUT_S (less if the budget is nearly spent),
-# its output to $OUT/NAME.log and the terminal; record the exit status and time in the summary
+# its output to NAME.log (in logs.tar.gz) and the terminal; record the exit status and time in the summary
 step() {
     local name=$1 limit=$2
     shift 2
@@ -55,7 +59,7 @@ step() {
     echo "== $name (timeout ${limit}s): $*"
     local t0 rc verdict=ok
     t0=$(date +%s)
-    timeout -k 10 "$limit" "$@" 2>&1 | tee "$OUT/$name.log"
+    timeout -k 10 "$limit" "$@" 2>&1 | tee "$LOGS/$name.log"
     rc=${PIPESTATUS[0]}
     ((rc == 124 || rc == 137)) && verdict="TIMED OUT"
     ((rc != 0 && rc != 124 && rc != 137)) && verdict="FAILED"
@@ -113,20 +117,26 @@ if [ "$CUDA" != 1 ]; then  # a dry run of the kit: the default model, nothing wr
     echo "no CUDA device: a dry run on the CPU, docs/benchmarks.md left alone" | tee -a "$SUMMARY"
 fi
 
-step optimizer_step 90 $PY benchmarks/optimizer_step.py "${NOWRITE[@]}"
-step whitening 90 $PY benchmarks/whitening.py "${NOWRITE[@]}"
-step megatron 120 $PY -m torch.distributed.run --standalone --nproc-per-node 1 benchmarks/megatron.py "${BIG[@]}" \
-    "${NOWRITE[@]}"
-step cuda_numerics 60 $PY benchmarks/cuda_numerics.py
-# the step on the GPU: steady steps under torch.cuda.set_sync_debug_mode("error") (ordinary, in backward,
-# capturable), a captured step replayed equal to eager, capturable equal to the ordinary step (tests/test_capturable.py)
+# the optimizer step first (what a short device loan must measure): steady steps under
+# torch.cuda.set_sync_debug_mode("error") (ordinary, in backward, capturable), a captured step replayed equal to
+# eager, capturable equal to the ordinary step (tests/test_capturable.py)
 step gpu_step 120 $PY -m pytest -q -p no:cacheprovider tests/test_capturable.py
+# the step's time at 1.3B and 7B in bf16: SWAN‡ eager and captured in a CUDA graph against AdamW foreach / fused and
+# torch's Muon (writes `captured-step-cuda`); the whitening against its same-shape GEMMs at `small` and 1.3B's shapes
+step captured_step 150 $PY benchmarks/captured_step.py $([ "$CUDA" = 1 ] || echo "--sizes tiny --steps 2 --rounds 1")
+step whitening 90 $PY benchmarks/whitening.py "${NOWRITE[@]}"
+[ "$CUDA" = 1 ] && step whitening_1b3 60 $PY benchmarks/whitening.py --size 1b3 --dtypes bfloat16 --no-allocator-run
+# memory and iteration time at 1.3B and 7B, the in-backward iteration against the ordinary one
 if [ "$CUDA" = 1 ]; then
     step memory_cuda 240 $PY benchmarks/memory.py --device cuda --sizes 1b3,7b --size-timeout 115
 else
     step memory_cuda 240 $PY benchmarks/memory.py --sizes small --optimizers adamw,swan_ddagger --estimate small \
         --estimate-optimizers adamw,swan_ddagger --no-write
 fi
+step optimizer_step 90 $PY benchmarks/optimizer_step.py "${NOWRITE[@]}"
+step cuda_numerics 60 $PY benchmarks/cuda_numerics.py
+step megatron 120 $PY -m torch.distributed.run --standalone --nproc-per-node 1 benchmarks/megatron.py "${BIG[@]}" \
+    "${NOWRITE[@]}"
 # torchtitan at W=1: AdamW vs DistMuon vs SWAN (torchtitan and its pure-Python dependencies carried as wheels in
 # .whl/; prints a message and exits 0 where torchtitan does not import)
 step torchtitan_cuda 150 $PY benchmarks/torchtitan.py --cuda --steps 10 "${NOWRITE[@]}"
@@ -160,5 +170,6 @@ if [ "$CUDA" = 1 ] && [ -f .mlm/pretrain_gpt.py ]; then
 fi
 
 cp docs/benchmarks.md "$OUT/benchmarks.md"
+tar -czf "$OUT/logs.tar.gz" -C "$LOGS" .
 echo "== total $(($(date +%s) - START)) s" | tee -a "$SUMMARY"
 cat "$SUMMARY"

@@ -226,7 +226,9 @@ def main() -> None:
     text = "\n".join(lines)
     print(text)
     if not args.no_write:
-        write_section(f"whitening-{device.type}", f"Whitening efficiency ({'GPU' if device.type == 'cuda' else 'CPU'}): swan_update vs its GEMMs", text)
+        size = "" if args.size == "small" else f"-{args.size}"  # (a section per model size besides `small`)
+        write_section(f"whitening-{device.type}{size}", f"Whitening efficiency ({'GPU' if device.type == 'cuda' else 'CPU'}"
+                      f"{', ' + args.size if size else ''}): swan_update vs its GEMMs", text)
 
 
 if __name__ == "__main__":

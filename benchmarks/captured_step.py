@@ -1,0 +1,123 @@
+"""The optimizer step on one GPU, eager and captured in a CUDA graph: SWAN‡ against torch's AdamW and Muon.
+
+The reference LLaMA of each ``--sizes`` in bf16 (parameters and gradients), fixed random gradients, one
+process; every optimizer built over the same model and stepped in turn, ``--rounds`` rounds of ``--steps``
+steps each (a change in the machine's load hits them alike), per optimizer the best round's median
+``step()`` time:
+  - torch's AdamW, foreach and fused; torch's Muon on the matrices SWAN whitens with AdamW (torch's default,
+    foreach on CUDA) on the rest (``swan_dist.reference.baselines.MuonWithAdamW``);
+  - SWAN‡ (``SWAN(model)``), SWAN‡ with ``capturable=True`` run eagerly, and that optimizer's step captured
+    once in a CUDA graph (after warm-up steps on a side stream, docs/optimizer.md "Capturing the step") and
+    replayed;
+each against AdamW fused (what runs at scale) and AdamW foreach. Writes the ``captured-step-cuda`` section.
+Without CUDA: a dry run on the CPU at ``--sizes tiny``, nothing captured, nothing written.
+
+    python benchmarks/captured_step.py --sizes 1b3,7b
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+import types
+
+import torch
+
+import swan_dist
+from swan_dist.reference.baselines import MuonWithAdamW, muon_split
+from swan_dist.reference.model import Llama, model_config
+
+from _report import write_section  # noqa: E402 (benchmarks/ is the script's folder)
+
+NAMES = ("adamw-foreach", "adamw-fused", "muon", "swan", "swan-capturable", "swan-captured")
+
+
+def _build(name: str, model: torch.nn.Module, lr: float):
+    params = list(model.parameters())
+    if name.startswith("adamw"):
+        return torch.optim.AdamW(params, lr=lr, weight_decay=0.1, **{name.split("-")[1]: True})
+    if name == "muon":
+        muon, rest = muon_split(model, types.SimpleNamespace(swan_options={}))
+        return MuonWithAdamW(muon, [{"params": [p for _, p in rest], "param_names": [n for n, _ in rest]}], lr=lr,
+                             weight_decay=0.1)
+    return swan_dist.SWAN(model, lr=lr, weight_decay=0.1, capturable=name != "swan", verbose=False)
+
+
+def _captured(opt, warmup: int):
+    """``opt.step`` captured in a CUDA graph after ``warmup`` steps on a side stream: the replay."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            opt.step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        opt.step()
+    return graph.replay
+
+
+def measure(size: str, args, device: torch.device) -> dict[str, float]:
+    """Per optimizer, the best round's median step time (s) on ``size``."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    torch.manual_seed(0)
+    with device:
+        model = Llama(model_config(size)).to(torch.bfloat16)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p) * 1e-3
+    names = [n for n in NAMES if device.type == "cuda" or n != "swan-captured"]
+    steps = {}
+    for name in names:
+        opt = _build(name, model, args.lr)
+        steps[name] = _captured(opt, args.warmup) if name == "swan-captured" else opt.step
+        if name != "swan-captured":
+            for _ in range(args.warmup):
+                opt.step()
+    best = {n: float("inf") for n in names}
+    for _ in range(args.rounds):
+        for name in names:
+            times = []
+            for _ in range(args.steps):
+                sync()
+                t0 = time.perf_counter()
+                steps[name]()
+                sync()
+                times.append(time.perf_counter() - t0)
+            best[name] = min(best[name], statistics.median(times))
+    return best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", default=None, help="comma list of reference model sizes (CUDA: 1b3,7b; CPU: tiny)")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    args = ap.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    sizes = (args.sizes or ("1b3,7b" if device.type == "cuda" else "tiny")).split(",")
+    lines = ["| model | optimizer | step (ms) | vs AdamW fused | vs AdamW foreach |", "|---|---|---:|---:|---:|"]
+    for size in sizes:
+        best = measure(size, args, device)
+        for name, t in best.items():
+            lines.append(f"| {size} | {name} | {t * 1e3:.2f} | {t / best['adamw-fused']:.2f}x | "
+                         f"{t / best['adamw-foreach']:.2f}x |")
+        if "swan-captured" in best:
+            lines.append(f"| {size} | captured / eager (capturable) | | **{best['swan-captured'] / best['swan-capturable']:.2f}x** | |")
+    dev = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    text = "\n".join([
+        f"Reference LLaMA in bf16 (parameters and gradients), one process, {dev}, torch {torch.__version__}: "
+        f"`optimizer.step()` on fixed gradients, the optimizers stepped in turn, {args.rounds} rounds of "
+        f"{args.steps} steps after {args.warmup} warm-up steps, per optimizer the best round's median. "
+        "`swan`: SWAN‡ (`SWAN(model)`); `swan-capturable`: with `capturable=True`, eager; `swan-captured`: that "
+        "step captured once in a CUDA graph and replayed. `muon`: torch's Muon on SWAN's matrices, AdamW (foreach) on "
+        "the rest. Weight decay 0.1 for all.", "", *lines])
+    print(text)
+    if device.type == "cuda":
+        write_section("captured-step-cuda", "Optimizer step on one GPU (CUDA): eager and captured, SWAN‡ vs AdamW and Muon", text)
+
+
+if __name__ == "__main__":
+    main()
