@@ -164,8 +164,8 @@ def scalar_rows(groups: Sequence[dict]) -> list[tuple]:
 
 
 def _shown(value) -> str:
-    """An option as compared between ranks; a tensor (``lr`` with ``capturable=True``) by its kind only,
-    its value never read in the step (every rank's scheduler sets it alike)."""
+    """An option as compared between ranks; a tensor (``lr``, ``alpha``, ``weight_decay`` with
+    ``capturable=True``) by its kind only, its value never read in the step (every rank sets it alike)."""
     if isinstance(value, Tensor):
         return f"<tensor {value.dtype}>"
     if isinstance(value, (tuple, list)):
