@@ -1,9 +1,8 @@
 """The optimizer step on one GPU, eager and captured in a CUDA graph: SWAN‡ against torch's AdamW and Muon.
 
 The reference LLaMA of each ``--sizes`` in bf16 (parameters and gradients), fixed random gradients, one
-process; every optimizer built over the same model and stepped in turn, ``--rounds`` rounds of ``--steps``
-steps each (a change in the machine's load hits them alike), per optimizer the best round's median
-``step()`` time:
+process; each optimizer built over the same model in turn, warmed up, then ``--rounds`` rounds of ``--steps``
+steps, its best round's median ``step()`` time:
   - torch's AdamW, foreach and fused; torch's Muon on the matrices SWAN whitens with AdamW (torch's default,
     foreach on CUDA) on the rest (``swan_dist.reference.baselines.MuonWithAdamW``);
   - SWAN‡ (``SWAN(model)``), SWAN‡ with ``capturable=True`` run eagerly, and that optimizer's step captured
@@ -59,32 +58,35 @@ def _captured(opt, warmup: int):
 
 
 def measure(size: str, args, device: torch.device) -> dict[str, float]:
-    """Per optimizer, the best round's median step time (s) on ``size``."""
+    """Per optimizer, the best round's median step time (s) on ``size``: each optimizer built, warmed up,
+    timed and let go of in turn (at 7B every optimizer's state at once would not fit beside the model on an
+    80 GB GPU)."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     torch.manual_seed(0)
     with device:
         model = Llama(model_config(size)).to(torch.bfloat16)
     for p in model.parameters():
         p.grad = torch.randn_like(p) * 1e-3
-    names = [n for n in NAMES if device.type == "cuda" or n != "swan-captured"]
-    steps = {}
-    for name in names:
+    best = {}
+    for name in (n for n in NAMES if device.type == "cuda" or n != "swan-captured"):
         opt = _build(name, model, args.lr)
-        steps[name] = _captured(opt, args.warmup) if name == "swan-captured" else opt.step
-        if name != "swan-captured":
-            for _ in range(args.warmup):
-                opt.step()
-    best = {n: float("inf") for n in names}
-    for _ in range(args.rounds):
-        for name in names:
+        step = _captured(opt, args.warmup) if name == "swan-captured" else opt.step
+        for _ in range(0 if name == "swan-captured" else args.warmup):
+            step()
+        rounds = []
+        for _ in range(args.rounds):
             times = []
             for _ in range(args.steps):
                 sync()
                 t0 = time.perf_counter()
-                steps[name]()
+                step()
                 sync()
                 times.append(time.perf_counter() - t0)
-            best[name] = min(best[name], statistics.median(times))
+            rounds.append(statistics.median(times))
+        best[name] = min(rounds)
+        del opt, step
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     return best
 
 
@@ -109,8 +111,8 @@ def main() -> None:
     dev = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     text = "\n".join([
         f"Reference LLaMA in bf16 (parameters and gradients), one process, {dev}, torch {torch.__version__}: "
-        f"`optimizer.step()` on fixed gradients, the optimizers stepped in turn, {args.rounds} rounds of "
-        f"{args.steps} steps after {args.warmup} warm-up steps, per optimizer the best round's median. "
+        f"`optimizer.step()` on fixed gradients, each optimizer in turn: {args.rounds} rounds of "
+        f"{args.steps} steps after {args.warmup} warm-up steps, the best round's median. "
         "`swan`: SWAN‡ (`SWAN(model)`); `swan-capturable`: with `capturable=True`, eager; `swan-captured`: that "
         "step captured once in a CUDA graph and replayed. `muon`: torch's Muon on SWAN's matrices, AdamW (foreach) on "
         "the rest. Weight decay 0.1 for all.", "", *lines])

@@ -9,7 +9,8 @@
 # Steps (each under `timeout`, inside an overall budget, so one failure or hang does not stop the rest):
 #   0. install .whl/*.whl to /tmp/site; make swan_dist importable from this checkout (below); print
 #      nvidia-smi, torch/CUDA versions and what imports;
-#   a. benchmarks/optimizer_step.py on CUDA (writes the `optimizer-step-cuda` section);
+#   a. benchmarks/optimizer_step.py on CUDA (writes the `optimizer-step-cuda` section); benchmarks/lean_step.py
+#      at W=1 (`lean-step-cuda`);
 #   b. benchmarks/megatron.py under torchrun at W=1 with NCCL: a larger model (writes `megatron-cuda`),
 #      then the CPU run's default model (log only, for comparison with the CPU section);
 #   c. benchmarks/whitening.py (swan_update vs its GEMMs, fp32 and bf16);
@@ -134,6 +135,8 @@ else
         --estimate-optimizers adamw,swan_ddagger --no-write
 fi
 step optimizer_step 90 $PY benchmarks/optimizer_step.py "${NOWRITE[@]}"
+# the bookkeeping step on many small matrices (one GPU: W=1 only; writes `lean-step-cuda`)
+step lean_step 60 $PY benchmarks/lean_step.py --world 0 $([ "$CUDA" = 1 ] || echo "--steps 5") "${NOWRITE[@]}"
 step cuda_numerics 60 $PY benchmarks/cuda_numerics.py
 step megatron 120 $PY -m torch.distributed.run --standalone --nproc-per-node 1 benchmarks/megatron.py "${BIG[@]}" \
     "${NOWRITE[@]}"
