@@ -1,8 +1,8 @@
 """The optimizer step on one GPU, eager and captured in a CUDA graph: SWAN‡ against torch's AdamW and Muon.
 
 The reference LLaMA of each ``--sizes`` in bf16 (parameters and gradients), fixed random gradients, one
-process; each optimizer built over the same model in turn, warmed up, then ``--rounds`` rounds of ``--steps``
-steps, its best round's median ``step()`` time:
+process, an lr schedule stepped after every step (a new lr each step); each optimizer built over the same model
+in turn, warmed up, then ``--rounds`` rounds of ``--steps`` steps, its best round's median ``step()`` time:
   - torch's AdamW, foreach and fused; torch's Muon on the matrices SWAN whitens with AdamW (torch's default,
     foreach on CUDA) on the rest (``swan_dist.reference.baselines.MuonWithAdamW``);
   - SWAN‡ (``SWAN(model)``), SWAN‡ with ``capturable=True`` run eagerly, and that optimizer's step captured
@@ -20,6 +20,7 @@ import argparse
 import statistics
 import time
 import types
+import warnings
 
 import torch
 
@@ -70,6 +71,7 @@ def measure(size: str, args, device: torch.device) -> dict[str, float]:
     best = {}
     for name in (n for n in NAMES if device.type == "cuda" or n != "swan-captured"):
         opt = _build(name, model, args.lr)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 1.0 / (1.0 + 0.01 * t))  # a new lr every step
         step = _captured(opt, args.warmup) if name == "swan-captured" else opt.step
         for _ in range(0 if name == "swan-captured" else args.warmup):
             step()
@@ -82,9 +84,12 @@ def measure(size: str, args, device: torch.device) -> dict[str, float]:
                 step()
                 sync()
                 times.append(time.perf_counter() - t0)
+                with warnings.catch_warnings():  # (a replayed step is not seen by the scheduler's order check)
+                    warnings.simplefilter("ignore", UserWarning)
+                    sched.step()  # outside the timed step, as in training; a captured step reads the lr tensor
             rounds.append(statistics.median(times))
         best[name] = min(rounds)
-        del opt, step
+        del opt, sched, step
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return best
@@ -111,7 +116,7 @@ def main() -> None:
     dev = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     text = "\n".join([
         f"Reference LLaMA in bf16 (parameters and gradients), one process, {dev}, torch {torch.__version__}: "
-        f"`optimizer.step()` on fixed gradients, each optimizer in turn: {args.rounds} rounds of "
+        f"`optimizer.step()` on fixed gradients under an lr schedule (LambdaLR, a new lr every step), each optimizer in turn: {args.rounds} rounds of "
         f"{args.steps} steps after {args.warmup} warm-up steps, the best round's median. "
         "`swan`: SWAN‡ (`SWAN(model)`); `swan-capturable`: with `capturable=True`, eager; `swan-captured`: that "
         "step captured once in a CUDA graph and replayed. `muon`: torch's Muon on SWAN's matrices, AdamW (foreach) on "
