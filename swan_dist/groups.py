@@ -22,7 +22,7 @@ from .summary import SummaryRow
 
 __all__ = ["Classified", "split_group", "on_device", "ON_DEVICE"]
 
-ON_DEVICE = ("lr", "alpha", "weight_decay")  # kept as 0-d tensors on the parameters' device by capturable=True
+ON_DEVICE = ("lr", "alpha", "weight_decay", "eps")  # with each of ``betas``: 0-d tensors by capturable=True
 
 
 @dataclass
@@ -44,13 +44,17 @@ class Classified:
         return rule.use_swan
 
 
-def on_device(value: Any, params: list) -> Tensor:
-    """An option of :data:`ON_DEVICE` as the 0-d fp32 tensor ``capturable=True`` keeps, on ``params``' device
-    (the CPU without any): made once, then updated in place (torch's LRScheduler fills a tensor lr)."""
+def on_device(group: dict[str, Any], params: list) -> dict[str, Any]:
+    """A group's options of :data:`ON_DEVICE` and its ``betas`` as the 0-d fp32 tensors ``capturable=True``
+    keeps on ``params``' device (the CPU without any): made once, then updated in place (torch's
+    LRScheduler fills a tensor lr); a tensor already there is kept as it is."""
     device = params[0].device if params else torch.device("cpu")
-    if isinstance(value, Tensor):
-        return value if value.device == device and value.dim() == 0 else value.detach().reshape(()).to(device, torch.float32)
-    return torch.tensor(float(value), dtype=torch.float32, device=device)
+
+    def held(value: Any) -> Tensor:
+        if isinstance(value, Tensor):
+            return value if value.device == device and value.dim() == 0 else value.detach().reshape(()).to(device, torch.float32)
+        return torch.tensor(float(value), dtype=torch.float32, device=device)
+    return {**{key: held(group[key]) for key in ON_DEVICE}, "betas": tuple(held(b) for b in group["betas"])}
 
 
 def split_group(param_group: dict[str, Any], defaults: dict[str, Any], seen: Classified,
@@ -96,7 +100,7 @@ def split_group(param_group: dict[str, Any], defaults: dict[str, Any], seen: Cla
             if not use and group["fallback_lr"] is not None:
                 g["lr"] = group["fallback_lr"]
             if capturable:
-                g.update({key: on_device(g[key], ps) for key in ON_DEVICE})
+                g.update(on_device(g, ps))
             if names is not None:
                 g["param_names"] = ns
             out.append((g, [Origin(n, q) for n, q in zip(ns, ps)]))

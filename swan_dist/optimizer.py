@@ -27,7 +27,7 @@ from .engine import Deferred, EngineMemo, StepContext, StepResult, run_step
 from .in_backward import InBackward, check_in_backward
 from .defaults import adamw_group_decay, check_engine, rank0, resolve
 from .records import Entry, Origin
-from .groups import ON_DEVICE, Classified, on_device, split_group
+from .groups import Classified, on_device, split_group
 from .rules import FALLBACKS, check_scalars
 from .selection import param_groups, tag_model, tagged_name
 from .state import export_states, import_states, zero_states
@@ -127,13 +127,13 @@ class SWAN(torch.optim.Optimizer):
             steps what backward left. One process, or FSDP2 / HSDP (pass the model: each FSDP module's
             parameters are stepped once reduced). Refused under DDP, DeepSpeed, FSDP1 and Megatron; global
             gradient clipping and pipeline parallelism cannot follow it (docs/optimizer.md).
-        capturable: keep each param group's ``lr``, ``alpha`` and ``weight_decay`` as 0-d fp32 tensors on its
-            parameters' device (torch.optim's name and meaning): an lr scheduler fills ``lr`` in place (torch's
-            ``LRScheduler`` does for a tensor lr; fill the others in place too, ``g["weight_decay"].fill_(v)``),
-            the step reads no option on the host and sends nothing from it, so a steady step in one process can
-            be captured in a CUDA graph and replayed (docs/optimizer.md, "Capturing the step"). The AdamW
-            fallback's ``betas`` and ``eps`` stay numbers (its fused kernel's constants): a graph holds them as
-            they were at capture.
+        capturable: keep each param group's ``lr``, ``alpha``, ``weight_decay``, ``eps`` and both ``betas`` as
+            0-d fp32 tensors on its parameters' device (torch.optim's name and meaning): an lr scheduler fills
+            ``lr`` in place (torch's ``LRScheduler`` does for a tensor lr; fill the others in place too,
+            ``g["weight_decay"].fill_(v)``), the step reads no option on the host and sends nothing from it, so a
+            steady step in one process can be captured in a CUDA graph and replayed (docs/optimizer.md,
+            "Capturing the step"). The AdamW fallback then runs in foreach ops (torch's fused kernel takes
+            betas, eps and weight decay as numbers), as torch's capturable AdamW does.
     """
 
     def __init__(
@@ -256,7 +256,7 @@ class SWAN(torch.optim.Optimizer):
         import_states(self.state, self.param_groups, self._packed)
         if self.capturable:  # options saved as numbers or on another device: where this run keeps them
             for g in self.param_groups:
-                g.update({key: on_device(g[key], g["params"]) for key in ON_DEVICE})
+                g.update(on_device(g, g["params"]))
 
     # ------------------------------------------------------------------ step
     @torch.no_grad()

@@ -1,4 +1,4 @@
-"""SWAN(..., capturable=True): each group's lr, alpha and weight decay 0-d tensors on its parameters' device,
+"""SWAN(..., capturable=True): each group's lr, alpha, weight decay, eps and betas 0-d tensors on its parameters' device,
 lr filled in place by an lr scheduler, the others by the caller; the step equal to the ordinary one, reading nothing on the host and sending nothing from it
 (no tensor built from host values in a steady step: what a CUDA graph cannot hold); checkpoints between
 the two kinds; torch.compile(opt.step) without a recompile per lr change; and, where CUDA is present, a
@@ -73,8 +73,9 @@ def test_capturable_equals_the_ordinary_step(options):
     o_ref = SWAN(ref, lr=0.01, verbose=False, **options)
     o_cap = SWAN(cap, lr=0.01, verbose=False, capturable=True, **options)
     lrs = [g["lr"] for g in o_cap.param_groups]
-    for key in ("lr", "alpha", "weight_decay"):
-        assert all(isinstance(g[key], torch.Tensor) and g[key].dim() == 0 for g in o_cap.param_groups), key
+    for key in ("lr", "alpha", "weight_decay", "eps", "betas"):
+        held = [x for g in o_cap.param_groups for x in (g[key] if key == "betas" else (g[key],))]
+        assert all(isinstance(x, torch.Tensor) and x.dim() == 0 for x in held), key
     reads, made = [], []
 
     def counted():
@@ -96,20 +97,37 @@ def test_capturable_equals_the_ordinary_step(options):
     for g, r in zip(o_cap.param_groups, o_ref.param_groups):
         assert g["lr"].item() == pytest.approx(r["lr"], rel=1e-6)
     for (n, a), b in zip(ref.named_parameters(), cap.parameters()):
-        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=n)
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=lambda s, n=n: f"{n}: {s}")
     assert o_cap.last_step.update_rms == pytest.approx(o_ref.last_step.update_rms, rel=1e-6)
+
+
+def _schedule(g: dict, t: int) -> None:
+    """Step ``t``'s weight decay, alpha, betas and eps: filled in place where a group holds tensors
+    (``capturable=True``), written as numbers otherwise (the fp32 values the tensors hold: a beta of 0.9
+    and its fp32 0.89999998 part by 2e-7 in ``1 - beta``, which five steps of this model amplify)."""
+    fp32 = lambda x: float(torch.tensor(x, dtype=torch.float32))  # noqa: E731
+    values = {"weight_decay": fp32(0.1 * (t + 1)), "alpha": fp32(0.05 + 0.01 * t), "eps": fp32(10.0 ** -(6 + t))}
+    betas = (fp32(0.9 - 0.02 * t), fp32(0.999 - 0.01 * t))
+    if isinstance(g["weight_decay"], torch.Tensor):
+        for key, value in values.items():
+            g[key].fill_(value)
+        for b, value in zip(g["betas"], betas):
+            b.fill_(value)
+    else:
+        g.update(values, betas=betas)
 
 
 @pytest.mark.parametrize("fallback", ["adamw", "sign"])
 def test_options_filled_in_place_equal_numbers_written(fallback):
-    """A weight-decay and alpha schedule: written as numbers into the ordinary optimizer's groups, filled in
-    place into the capturable one's tensors; the weights agree, the steady steps read nothing on the host
-    and send nothing from it. A fallback parameter whose gradient is NaN (``nonfinite="skip"``) keeps its
-    value bit for bit, its decay (made apart from the fused kernel) masked on the device."""
+    """A weight-decay, alpha, betas and eps schedule: written as numbers into the ordinary optimizer's
+    groups, filled in place into the capturable one's tensors; the weights agree, the steady steps read
+    nothing on the host and send nothing from it. A fallback parameter whose gradient is NaN
+    (``nonfinite="skip"``) keeps its value bit for bit, and its moments, masked on the device."""
     ref, cap = _model(), _model()
-    o_ref = SWAN(ref, lr=0.01, verbose=False, weight_decay=0.1, fallback=fallback)
-    o_cap = SWAN(cap, lr=0.01, verbose=False, weight_decay=0.1, fallback=fallback, capturable=True)
-    held = [(g["alpha"], g["weight_decay"]) for g in o_cap.param_groups]
+    # (whitening in fp32: the capturable AdamW's rounding, once in bf16, would part the two runs more)
+    kw = dict(lr=0.01, verbose=False, weight_decay=0.1, fallback=fallback, whiten_dtype="float32")
+    o_ref, o_cap = SWAN(ref, **kw), SWAN(cap, capturable=True, **kw)
+    held = [(g["alpha"], g["weight_decay"], g["eps"], *g["betas"]) for g in o_cap.param_groups]
     norm = dict(cap.named_parameters())["norm.weight"]
     reads = []
     for t in range(5):
@@ -117,25 +135,23 @@ def test_options_filled_in_place_equal_numbers_written(fallback):
             o.zero_grad()
             m(_batch(t)).logsumexp(-1).mean().backward()
             for g in o.param_groups:
-                if isinstance(g["weight_decay"], torch.Tensor):
-                    g["weight_decay"].fill_(0.1 * (t + 1))
-                    g["alpha"].fill_(0.05 + 0.01 * t)
-                else:
-                    g["weight_decay"], g["alpha"] = 0.1 * (t + 1), 0.05 + 0.01 * t
+                _schedule(g, t)
         if t == 4:
             dict(ref.named_parameters())["norm.weight"].grad[0] = float("nan")
             norm.grad[0] = float("nan")
             before = norm.detach().clone()
+            moments = [x.clone() for x in o_cap.state[norm].values()]
         with HostReads() as r, _HostValues() as made:
             o_cap.step()
         reads.append((r.n_ours, made.n, dict(r.ours)))
         o_ref.step()
     assert [x[:2] for x in reads[2:4]] == [(0, 0)] * 2, reads  # steady steps; then the NaN step, whose
     assert reads[4][1] == 0 and all(k.startswith("swan_dist/engine.py") for k in reads[4][2]), reads  # names read
-    assert [(g["alpha"], g["weight_decay"]) for g in o_cap.param_groups] == held  # the same tensors
+    assert [(g["alpha"], g["weight_decay"], g["eps"], *g["betas"]) for g in o_cap.param_groups] == held  # the same tensors
     assert torch.equal(norm.detach(), before)
+    assert all(torch.equal(a, b) for a, b in zip(o_cap.state[norm].values(), moments))
     for (n, a), b in zip(ref.named_parameters(), cap.parameters()):
-        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=n)
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=lambda s, n=n: f"{n}: {s}")
 
 
 def test_checkpoints_between_capturable_and_not():
@@ -151,7 +167,8 @@ def test_checkpoints_between_capturable_and_not():
         assert float(g["lr"]) == pytest.approx(s["lr"].item())
     lr = again.param_groups[0]["lr"]
     assert isinstance(lr, torch.Tensor) and lr.dim() == 0 and lr.item() == pytest.approx(0.01)
-    assert all(isinstance(g[k], torch.Tensor) for g in again.param_groups for k in ("lr", "alpha", "weight_decay"))
+    assert all(isinstance(g[k], torch.Tensor) for g in again.param_groups for k in ("lr", "alpha", "weight_decay", "eps"))
+    assert all(isinstance(b, torch.Tensor) for g in again.param_groups for b in g["betas"])
     again.load_state_dict(saved)
     assert all(isinstance(g["lr"], torch.Tensor) for g in again.param_groups)
 

@@ -90,7 +90,8 @@ def _torch_case(rank, world, layout):
         wrapped = _fsdp2(model, init_device_mesh("cpu", (world,)))
     opt = SWAN(model, preset="swan_ddagger", lr=0.01, verbose=False, step_in_backward=in_backward,
                capturable=layout == "fsdp2_capturable")
-    return _reads(wrapped, opt, rank, in_backward)
+    weights = {n: getattr(p, "_local_tensor", p).detach() for n, p in model.named_parameters()}  # this rank's shards
+    return (*_reads(wrapped, opt, rank, in_backward), weights)
 
 
 def _megatron_case(rank, world):
@@ -192,6 +193,16 @@ def test_two_ranks_read_the_status_once(layout):
             assert sum(others.values()) <= 2 * (STEPS - WARM), _per_step_others(others)
         else:
             assert not others, _per_step_others(others)
+
+
+def test_fsdp2_capturable_equals_fsdp2():
+    """The capturable step (options on the device; the AdamW fallback in foreach ops, not fused) of the same
+    FSDP2 run at W = 2 lands on the ordinary step's weights, shard by shard, under the same lr schedule."""
+    for res in _launch("w2"):
+        ordinary, capturable = res["fsdp2"][3], res["fsdp2_capturable"][3]
+        assert ordinary.keys() == capturable.keys()
+        for n, w in ordinary.items():
+            torch.testing.assert_close(capturable[n], w, rtol=1e-4, atol=1e-5, msg=lambda s, n=n: f"{n}: {s}")
 
 
 def test_the_counter_sees_a_read():

@@ -89,27 +89,27 @@ def _adamw(state: dict, group: dict, pieces: list[Piece], skip: Tensor | None) -
     its moments and its step count bit for bit unchanged, decided on the device (GradScaler's way).
     Gradients of another dtype than their target (or not contiguous) are given to it converted; where
     the kernel still cannot run (a tensor subclass), torch's foreach AdamW runs and what ``skip`` masks
-    is put back from copies."""
+    is put back from copies. Options kept on the device (``capturable=True``) run :func:`_adamw_on_device`."""
     b1, b2 = group["betas"]
+    device_options = isinstance(group["weight_decay"], Tensor) or isinstance(b1, Tensor) or isinstance(b2, Tensor)
     for kind in _kinds(pieces):
         m, v, st = zip(*(_adamw_state(state, pc) for pc in kind))
         targets, grads, m, v = local_of(kind[0].target, [pc.target for pc in kind],
                                         [pc.target_grad for pc in kind], m, v)
         st = list(st)
+        pos = {id(pc): i for i, pc in enumerate(pieces)}
+        if device_options:
+            keep = None if skip is None else (skip == 0).to(targets[0].device)
+            _adamw_on_device(targets, grads, m, v, st, group, keep if keep is None or keep.dim() == 0 else
+                             pick(keep, [pos[id(pc)] for pc in kind]))
+            continue
         if type(targets[0]) in PLAIN + (FakeTensor,) and type(grads[0]) in PLAIN + (FakeTensor,):
             grads = [g if g.dtype == t.dtype and g.is_contiguous() else g.to(t.dtype).contiguous()
                      for t, g in zip(targets, grads)]
         lr = group["lr"] if isinstance(group["lr"], Tensor) else float(group["lr"])
-        wd = group["weight_decay"]
-        apart = isinstance(wd, Tensor)  # (capturable=True) the decay made before the kernel, which takes a number
-        kw = dict(amsgrad=False, beta1=b1, beta2=b2, lr=lr,
-                  weight_decay=0.0 if apart else float(wd), eps=float(group["eps"]), maximize=False)
+        kw = dict(amsgrad=False, beta1=b1, beta2=b2, lr=lr, weight_decay=float(group["weight_decay"]),
+                  eps=float(group["eps"]), maximize=False)
         if _fusable(targets, grads, m, v, st):  # a tensor lr as it is (the kernel reads it on the device)
-            pos = {id(pc): i for i, pc in enumerate(pieces)}
-            if apart:
-                keep = None if skip is None else (skip == 0).to(targets[0].device)
-                _decoupled(targets, lr, wd, keep if keep is None or keep.dim() == 0 else
-                           pick(keep, [pos[id(pc)] for pc in kind]))
             if skip is None or skip.dim() == 0:
                 _adamw_functional(targets, grads, m, v, [], st, fused=True, found_inf=skip, **kw)
                 continue
@@ -117,8 +117,6 @@ def _adamw(state: dict, group: dict, pieces: list[Piece], skip: Tensor | None) -
             _fused_each(targets, grads, m, v, st, [each[pos[id(pc)]] for pc in kind], kw)
             continue
         saved = None if skip is None else [[x.clone() for x in xs] for xs in (targets, m, v, st)]
-        if apart:  # (what skip masks is put back below)
-            _decoupled(targets, lr, wd, None)
         if isinstance(lr, Tensor):  # torch's foreach AdamW takes a tensor lr only as capturable (not on the CPU)
             if lr.device.type == "cpu":
                 kw["lr"] = float(lr)
@@ -126,22 +124,43 @@ def _adamw(state: dict, group: dict, pieces: list[Piece], skip: Tensor | None) -
                 kw["capturable"] = True
         _adamw_functional(targets, grads, m, v, [], st, foreach=True, **kw)
         if saved is not None:
-            pos = {id(pc): i for i, pc in enumerate(pieces)}
             keep = [skip if skip.dim() == 0 else skip[pos[id(pc)]] for pc in kind]
             for xs, old in zip((targets, m, v, st), saved):
                 for x, o, k in zip(xs, old, keep):
                     x.copy_(torch.where(k.to(x.device) > 0, o, x))
 
 
-def _decoupled(targets: list[Tensor], lr: float | Tensor, wd: Tensor, keep: Tensor | None) -> None:
-    """AdamW's decoupled decay ``t ← t·(1 − lr·wd)`` made apart from its kernel, for a weight decay kept on
-    the device (``capturable=True``; torch's kernels take it as a number), computed there; where ``keep`` (a
-    bool per target, or one for all) is off the target is unchanged."""
-    decay = 1.0 - lr * wd.to(targets[0].device)
-    if keep is None:
-        _decay(targets, decay)
-    else:
-        _decay_masked(targets, decay, keep.expand(len(targets)) if keep.dim() == 0 else keep)
+def _adamw_on_device(targets: list[Tensor], grads: list[Tensor], m: list[Tensor], v: list[Tensor],
+                     steps: list[Tensor], group: dict, keep: Tensor | None) -> None:
+    """AdamW (decoupled decay, bias-corrected moments) with its options 0-d tensors on the device
+    (``capturable=True``: lr, betas, eps, weight decay; a schedule fills them in place, a captured graph
+    replays what they hold), in torch's foreach ops, for any tensor type. torch's fused kernel takes betas,
+    eps and weight decay as numbers, and its capturable foreach AdamW runs on CUDA only without
+    ``found_inf``. Where ``keep`` (bool, one for all or one per target) is off, the target, its moments and
+    its step count stay bit for bit: that piece's lr and ``1 - beta``s are zero and its gradient zeros."""
+    dev = targets[0].device
+    lr, wd, eps, b1, b2 = (x.to(dev) for x in (group["lr"], group["weight_decay"], group["eps"], *group["betas"]))
+    on = None if keep is None else keep.to(torch.float32).expand(len(targets))
+
+    def each(x: Tensor) -> Tensor | list[Tensor]:  # one 0-d option for all, or its value per target
+        return x if x.dim() == 0 else list(x.unbind(0))
+    # the rate and the moments' weights of each target: zero where it is kept as it is
+    rate, k1, k2 = (x if on is None else x * on for x in (lr, 1 - b1, 1 - b2))
+    if on is not None:
+        grads = [torch.where(k, g, 0) for k, g in zip(keep.expand(len(targets)).unbind(0), grads)]
+    torch._foreach_add_(steps, 1 if on is None else each(on))
+    torch._foreach_mul_(targets, each(1 - rate * wd))
+    torch._foreach_mul_(m, each(1 - k1))
+    torch._foreach_add_(m, torch._foreach_mul(grads, each(k1)))
+    torch._foreach_mul_(v, each(1 - k2))
+    torch._foreach_addcmul_(v, torch._foreach_mul(grads, each(k2)), grads)
+    t = torch.stack([s.to(dev, torch.float32) for s in steps]).clamp(min=1)  # (a piece never stepped: no 0/0)
+    size = rate / (1 - b1 ** t)
+    denom = torch._foreach_sqrt(v)
+    torch._foreach_div_(denom, list((1 - b2 ** t).sqrt().unbind(0)))
+    torch._foreach_add_(denom, [eps] * len(denom))  # (a list: dynamo reads a 0-d tensor operand of add on the host)
+    torch._foreach_div_(denom, list((-size).unbind(0)))  # t ← t − size·m/denom, as t + m/(denom/−size)
+    torch._foreach_addcdiv_(targets, m, denom)
 
 
 def _fused_each(targets, grads, m, v, steps, flags: list[Tensor], kw: dict) -> None:
