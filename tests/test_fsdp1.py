@@ -155,8 +155,12 @@ def _nan_grads(model, t):
 
 
 def _nan_worker(rank, world):
+    return {capturable: _nan_case(capturable) for capturable in (False, True)}
+
+
+def _nan_case(capturable):
     model = _wrap(False, per_linear=False)
-    opt = SWAN(model, verbose=False, **ADAMW)
+    opt = SWAN(model, verbose=False, capturable=capturable, **ADAMW)
     before = _full(model)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -174,7 +178,7 @@ def _nan_worker(rank, world):
         warned=[str(w.message) for w in caught if "non-finite" in str(w.message)],
     )
     model = _wrap(False, per_linear=False)
-    opt = SWAN(model, verbose=False, nonfinite="raise", **ADAMW)
+    opt = SWAN(model, verbose=False, nonfinite="raise", capturable=capturable, **ADAMW)
     before = _full(model)
     _set_grads(model, _nan_grads(Net(), 0))
     try:
@@ -188,8 +192,10 @@ def _nan_worker(rank, world):
 def test_fsdp1_flat_params_nonfinite_skips_one_original():
     """use_orig_params=False, one FlatParameter holding every original: a NaN in one original skips that
     original only (on every rank), the others are updated, and its own AdamW step count stays behind
-    as in single-process SWAN; nonfinite='raise' raises everywhere, nothing updated."""
-    for r in run_distributed(_nan_worker, 3):
+    as in single-process SWAN; nonfinite='raise' raises everywhere, nothing updated. The same with
+    ``capturable=True`` (options on the device: the AdamW fallback masks the skipped original's span of the
+    packed state by zero rates)."""
+    for r in (r for per_rank in run_distributed(_nan_worker, 3) for r in per_rank.values()):
         assert r["err"] < 2e-5 and r["bias_kept"] and r["others_moved"], r
         assert r["skips"] == {"up.bias": 1, "narrow.weight": 1}, r
         assert len(r["warned"]) == 2 and "up.bias" in r["warned"][0] and "narrow.weight" in r["warned"][1]
