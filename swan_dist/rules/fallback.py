@@ -155,11 +155,11 @@ def _adamw_on_device(targets: list[Tensor], grads: list[Tensor], m: list[Tensor]
     torch._foreach_mul_(v, each(1 - k2))
     torch._foreach_addcmul_(v, torch._foreach_mul(grads, each(k2)), grads)
     t = torch.stack([s.to(dev, torch.float32) for s in steps]).clamp(min=1)  # (a piece never stepped: no 0/0)
-    size = rate / (1 - b1 ** t)
+    # t ← t − rate/(1 − β₁ᵗ) · m/(sqrt(v)/r + eps), r = sqrt(1 − β₂ᵗ): as t + m/((sqrt(v) + eps·r)/(−rate·r/(1 − β₁ᵗ)))
+    r = (1 - b2 ** t).sqrt()
     denom = torch._foreach_sqrt(v)
-    torch._foreach_div_(denom, list((1 - b2 ** t).sqrt().unbind(0)))
-    torch._foreach_add_(denom, [eps] * len(denom))  # (a list: dynamo reads a 0-d tensor operand of add on the host)
-    torch._foreach_div_(denom, list((-size).unbind(0)))  # t ← t − size·m/denom, as t + m/(denom/−size)
+    torch._foreach_add_(denom, list((eps * r).unbind(0)))
+    torch._foreach_div_(denom, list((-rate * r / (1 - b1 ** t)).unbind(0)))
     torch._foreach_addcdiv_(targets, m, denom)
 
 
