@@ -299,7 +299,8 @@ def _gram(x: Tensor) -> Tensor:
     rows is split in two halves of rows, ``x = [x0; x1]``: three GEMMs (``x0 x0ᵀ``, ``x0 x1ᵀ``,
     ``x1 x1ᵀ``) and the transpose of the middle one make the symmetric Gram with 3/4 of the
     multiply-adds (measured 5-20 % faster there, fp32 and bf16; batched GEMMs gain nothing). Every entry
-    is the same dot product (bitwise the full GEMM's in the measurements), and the Gram exactly symmetric."""
+    is the same dot product, to rounding; the off-diagonal blocks are exact transposes of each other (a
+    BLAS may round a diagonal block's two triangles apart, as it may the full GEMM's)."""
     s = x.shape[-2]
     if x.dim() != 2 or s < _GRAM_HALVES_MIN or x.device.type != "cpu":
         return x @ x.mT
@@ -471,17 +472,20 @@ def _swan_update(g: Tensor, cfg: WhitenConfig) -> tuple[Tensor, Tensor]:
     return _finish(upd, finite, fill=lambda i, j, ub: ub.copy_(x[..., i:j, :]))
 
 
-_PRODUCT_BLOCK_BYTES = 4 << 20  # the final product and the update's passes, made this many bytes at a time
+_PRODUCT_BLOCK_BYTES = 4 << 20  # the update's passes on the CPU, made this many bytes at a time (in cache)
+# the Gram-first product in bf16 is made whole up to this many bytes of fp32 update, in row blocks of it above
+# (so that a large matrix's product never exists whole): GEMMs on 4 MB row blocks of a stack measured 5-20 %
+# slower than one GEMM over it, on this CPU (docs/benchmarks.md, "Whitening (CPU)")
+_PRODUCT_WHOLE_BYTES = 64 << 20
 
 
-def _finish(upd: Tensor, finite: Tensor, norm: Tensor | None = None, fill=None,
-            nbytes: int = _PRODUCT_BLOCK_BYTES) -> tuple[Tensor, Tensor]:
+def _finish(upd: Tensor, finite: Tensor, norm: Tensor | None = None, fill=None) -> tuple[Tensor, Tensor]:
     """The rescale, in place, and the zeroing of the matrices whose gradient (``finite``, ``(..., 1, 1)``)
     or update is not finite, decided on the device: the update's norm (``norm`` if given, else
     :func:`_norm_bounded`'s), its NaN/Inf entries set to 0 (nothing changes in a finite matrix), then
     each matrix multiplied by its rescale factor, 0 for the non-finite ones. ``fill(i, j, block)``, if
     given, first writes rows ``i:j`` of ``upd``; on the CPU the rows are filled, measured and cleaned
-    block by block (``nbytes`` of ``upd`` each), each block still in cache. Returns
+    block by block (:data:`_PRODUCT_BLOCK_BYTES` of ``upd`` each), each block still in cache. Returns
     ``(update, finite[..., 0, 0])``, ``finite`` now that of the gradient and the update."""
     if norm is not None or upd.device.type != "cpu":
         if fill is not None:
@@ -491,7 +495,7 @@ def _finish(upd: Tensor, finite: Tensor, norm: Tensor | None = None, fill=None,
         torch.nan_to_num_(upd, 0.0, 0.0, 0.0)
     else:
         parts = []
-        for i, j in _row_blocks(upd, nbytes):
+        for i, j in _row_blocks(upd, _PRODUCT_BLOCK_BYTES):
             ub = upd[..., i:j, :]
             if fill is not None:
                 fill(i, j, ub)
@@ -537,8 +541,8 @@ def _swan_update_gram_first(g: Tensor, cfg: WhitenConfig, wdtype: torch.dtype, o
     stays zero.
 
     Passes over the matrix: the column max-abs (an ``amax`` and an ``amin``), the scaled copy in the
-    whitening dtype (cast, then multiplied in place), the two GEMMs, the cast of the result to fp32 (block
-    by block, so the product in the whitening dtype never exists whole) and :func:`_finish` (the update's
+    whitening dtype (cast, then multiplied in place), the two GEMMs, the cast of the result to fp32 (in row
+    blocks of :data:`_PRODUCT_WHOLE_BYTES` for a large matrix) and :func:`_finish` (the update's
     norm and the zeroing of NaN/Inf on each block in cache, then an in-place multiply). A NaN/Inf
     gradient, or a non-finite update, gives a zero update and ``finite`` False, decided on the device
     (no host sync). Returns ``(update, finite)``, ``finite`` of shape ``g.shape[:-2]``."""
@@ -561,9 +565,10 @@ def _swan_update_gram_first(g: Tensor, cfg: WhitenConfig, wdtype: torch.dtype, o
     finite = torch.isfinite(m).all(dim=-1, keepdim=True)  # (..., 1, 1)
     if wdtype == out_dtype:
         return _finish(torch.matmul(xb, zt), finite)  # (X_paper)ᵀ in torch layout: g·(Z D)ᵀ; a new tensor
-    upd = torch.empty(xb.shape, dtype=out_dtype, device=xb.device)  # the product cast block by block into fp32
-    return _finish(upd, finite, fill=lambda i, j, ub: ub.copy_(torch.matmul(xb[..., i:j, :], zt)),
-                   nbytes=_PRODUCT_BLOCK_BYTES * upd.element_size() // xb.element_size())  # blocks of 4 MB of xb
+    upd = torch.empty(xb.shape, dtype=out_dtype, device=xb.device)  # the product in the whitening dtype, cast
+    for i, j in _row_blocks(upd, _PRODUCT_WHOLE_BYTES):
+        upd[..., i:j, :].copy_(torch.matmul(xb[..., i:j, :], zt))
+    return _finish(upd, finite)
 
 
 def whiten_flops(shape: tuple[int, int], cfg: WhitenConfig) -> float:
