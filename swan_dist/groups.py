@@ -20,7 +20,7 @@ from .rules import check_group
 from .selection import rule_of, tagged_name
 from .summary import SummaryRow
 
-__all__ = ["Classified", "split_group", "on_device", "ON_DEVICE"]
+__all__ = ["Classified", "split_group", "on_device", "as_numbers", "ON_DEVICE"]
 
 ON_DEVICE = ("lr", "alpha", "weight_decay", "eps")  # with each of ``betas``: 0-d tensors by capturable=True
 
@@ -55,6 +55,14 @@ def on_device(group: dict[str, Any], params: list) -> dict[str, Any]:
             return value if value.device == device and value.dim() == 0 else value.detach().reshape(()).to(device, torch.float32)
         return torch.tensor(float(value), dtype=torch.float32, device=device)
     return {**{key: held(group[key]) for key in ON_DEVICE}, "betas": tuple(held(b) for b in group["betas"])}
+
+
+def as_numbers(group: dict[str, Any]) -> dict[str, Any]:
+    """The options :func:`on_device` keeps as tensors, as numbers: where an ordinary optimizer loads a
+    ``capturable=True`` checkpoint (read once, at load), so that its AdamW fallback runs torch's fused kernel."""
+    def number(value: Any) -> Any:
+        return float(value) if isinstance(value, Tensor) else value
+    return {**{key: number(group[key]) for key in ON_DEVICE}, "betas": tuple(number(b) for b in group["betas"])}
 
 
 def split_group(param_group: dict[str, Any], defaults: dict[str, Any], seen: Classified,

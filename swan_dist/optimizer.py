@@ -27,7 +27,7 @@ from .engine import Deferred, EngineMemo, StepContext, StepResult, run_step
 from .in_backward import InBackward, check_in_backward
 from .defaults import adamw_group_decay, check_engine, rank0, resolve
 from .records import Entry, Origin
-from .groups import Classified, on_device, split_group
+from .groups import Classified, as_numbers, on_device, split_group
 from .rules import FALLBACKS, check_scalars
 from .selection import param_groups, tag_model, tagged_name
 from .state import export_states, import_states, zero_states
@@ -254,9 +254,8 @@ class SWAN(torch.optim.Optimizer):
             state_dict = state_from_adamw(self, state_dict)
         super().load_state_dict(state_dict)
         import_states(self.state, self.param_groups, self._packed)
-        if self.capturable:  # options saved as numbers or on another device: where this run keeps them
-            for g in self.param_groups:
-                g.update(on_device(g, g["params"]))
+        for g in self.param_groups:  # options saved either way: where this run keeps them
+            g.update(on_device(g, g["params"]) if self.capturable else as_numbers(g))
 
     # ------------------------------------------------------------------ step
     @torch.no_grad()

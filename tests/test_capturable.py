@@ -163,8 +163,9 @@ def test_checkpoints_between_capturable_and_not():
     plain.load_state_dict(saved)
     again = SWAN(copy.deepcopy(model), lr=0.5, verbose=False, capturable=True)
     again.load_state_dict(SWAN(model, lr=0.01, verbose=False).state_dict() | {"state": {}})
-    for g, s in zip(plain.param_groups, opt.param_groups):
-        assert float(g["lr"]) == pytest.approx(s["lr"].item())
+    for g, s in zip(plain.param_groups, opt.param_groups):  # numbers again in an ordinary optimizer
+        assert isinstance(g["lr"], float) and g["lr"] == pytest.approx(s["lr"].item())
+        assert all(isinstance(x, float) for x in (g["alpha"], g["weight_decay"], g["eps"], *g["betas"]))
     lr = again.param_groups[0]["lr"]
     assert isinstance(lr, torch.Tensor) and lr.dim() == 0 and lr.item() == pytest.approx(0.01)
     assert all(isinstance(g[k], torch.Tensor) for g in again.param_groups for k in ("lr", "alpha", "weight_decay", "eps"))
