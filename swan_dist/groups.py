@@ -8,7 +8,7 @@ fallback group (``use_swan=False``), each with the caller's options.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import Tensor
@@ -44,6 +44,11 @@ class Classified:
         return rule.use_swan
 
 
+def _each_option(group: dict[str, Any], f: Callable[[Any], Any]) -> dict[str, Any]:
+    """``f`` of each option of :data:`ON_DEVICE` and of each beta, as a group update."""
+    return {**{key: f(group[key]) for key in ON_DEVICE}, "betas": tuple(f(b) for b in group["betas"])}
+
+
 def on_device(group: dict[str, Any], params: list) -> dict[str, Any]:
     """A group's options of :data:`ON_DEVICE` and its ``betas`` as the 0-d fp32 tensors ``capturable=True``
     keeps on ``params``' device (the CPU without any): made once, then updated in place (torch's
@@ -54,15 +59,13 @@ def on_device(group: dict[str, Any], params: list) -> dict[str, Any]:
         if isinstance(value, Tensor):
             return value if value.device == device and value.dim() == 0 else value.detach().reshape(()).to(device, torch.float32)
         return torch.tensor(float(value), dtype=torch.float32, device=device)
-    return {**{key: held(group[key]) for key in ON_DEVICE}, "betas": tuple(held(b) for b in group["betas"])}
+    return _each_option(group, held)
 
 
 def as_numbers(group: dict[str, Any]) -> dict[str, Any]:
     """The options :func:`on_device` keeps as tensors, as numbers: where an ordinary optimizer loads a
     ``capturable=True`` checkpoint (read once, at load), so that its AdamW fallback runs torch's fused kernel."""
-    def number(value: Any) -> Any:
-        return float(value) if isinstance(value, Tensor) else value
-    return {**{key: number(group[key]) for key in ON_DEVICE}, "betas": tuple(number(b) for b in group["betas"])}
+    return _each_option(group, lambda value: float(value) if isinstance(value, Tensor) else value)
 
 
 def split_group(param_group: dict[str, Any], defaults: dict[str, Any], seen: Classified,

@@ -10,7 +10,7 @@ Param groups are split on construction into SWAN groups (``use_swan=True``) and 
 
 This class holds the groups, the state and the summary; a step collects this rank's entries
 (:mod:`.collect`) and hands them to the engine (:func:`swan_dist.engine.run_step`: agree, fallback rules,
-whiten, apply; docs/engine.md).
+whiten, apply; docs/engine.md), through its base :class:`~swan_dist.engine_side.EngineSide`.
 """
 
 from __future__ import annotations
@@ -21,14 +21,15 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from .adapter import Form, name_bare_params, optimizer_built, step_key
-from .collect import Collector, Holdings
-from .engine import Deferred, EngineMemo, StepContext, StepResult, run_step
+from .adapter import Form, name_bare_params, optimizer_built
+from .collect import Collector
+from .engine import EngineMemo
+from .engine_side import EngineSide
 from .in_backward import InBackward, check_in_backward
 from .defaults import adamw_group_decay, check_engine, rank0, resolve
-from .records import Entry, Origin
+from .records import Origin
 from .groups import Classified, as_numbers, on_device, split_group
-from .rules import FALLBACKS, check_scalars
+from .rules import FALLBACKS
 from .selection import param_groups, tag_model, tagged_name
 from .state import export_states, import_states, zero_states
 from .steps import StepBook, group_rates
@@ -62,7 +63,7 @@ def _as_groups(params: Iterable[Any] | nn.Module, include: list[str], exclude: l
     return params
 
 
-class SWAN(torch.optim.Optimizer):
+class SWAN(EngineSide, torch.optim.Optimizer):
     """SWAN: SGD with Whitening And Normalization (arXiv 2412.13148).
 
     Args:
@@ -292,100 +293,3 @@ class SWAN(torch.optim.Optimizer):
         super().zero_grad(set_to_none)
         if self._in_backward is not None:
             self._in_backward.arm()
-
-    def _holdings(self) -> Holdings:
-        return Holdings(self.param_groups, self.state, self._origin, self._packed, self._forms)
-
-    def collect_entries(self, params: Iterable[Tensor] | None = None) -> tuple[list[Entry], BaseException | None]:
-        """This rank's entries (one per logical parameter: group, piece, record) for a step over every
-        parameter, or over those of ``params`` (tensors of this optimizer's groups), and what failed here
-        while collecting them (the scalar options are checked first), which :meth:`step_entries` announces
-        to every rank. At W = 1 a failure is raised at once."""
-        world = self._world()
-        deferred = Deferred(world)
-        with deferred:
-            for g in self.param_groups:  # a scheduler or the user may have set them since
-                check_scalars(g)
-            return self._collector.collect(self._holdings(), self.process_group,
-                                           None if params is None else {id(p) for p in params}), None
-        return [], deferred.error
-
-    def step_entries(self, entries: list[Entry], failure: BaseException | None = None, memo: object = "all",
-                     defer: bool = False) -> StepResult:
-        """One step of the engine (:func:`swan_dist.engine.run_step`) over ``entries`` (the same set on
-        every rank), with this optimizer's context and the engine's memo for ``memo`` (a key naming the
-        set); raises on every rank alike where a rank failed. The entries' gradients are let go of."""
-        kept = self._memo(memo)
-        try:
-            ctx = StepContext.of(entries, self.mode, self.bucket_mb, self.process_group)
-            result = run_step(entries, ctx, kept, self.param_groups, self.state, failure, defer)
-        finally:
-            self._collector.release(entries, everything=memo == "all" or (isinstance(memo, tuple) and memo[0] == "part"))
-            kept.hashes.clear()
-        self._book.add(result)
-        if result.failure is not None:
-            raise result.failure
-        return result
-
-    def settle_steps(self) -> None:
-        """Read the statuses of the steps made with ``defer=True`` since the last call (updates made during
-        backward at W > 1: one host read for all of them) and raise, warn and count as each step would
-        have, alike on every rank (:func:`swan_dist.engine.settle`)."""
-        self._book.settle()
-
-    def poll_reports(self, wait: bool = False) -> None:
-        """In one process, what steps skipped for non-finite values is counted on the device and copied to
-        the host without waiting: each step looks at the copies that landed (on the CPU, its own at once),
-        warns and adds to :attr:`nonfinite_skips`; ``wait=True`` waits for every copy (a host read)."""
-        self._book.poll(wait)
-
-    @property
-    def nonfinite_skips(self):
-        """Per parameter name, the steps that left it out for a non-finite gradient or update (complete once
-        :meth:`poll_reports` with ``wait=True`` returned)."""
-        return self._book.nonfinite_skips
-
-    @property
-    def whitened_matrices(self) -> int:
-        """Matrices whitened so far (SWAN's work done, for accounting)."""
-        return self._book.whitened
-
-    def _part(self) -> object:
-        """The memo of a step over the groups the optimizer holds now: ``"all"``; where a framework steps
-        parts in turn, each part its own, named alike on every rank: ZeRO-3's sub-groups by their ds_ids
-        (:func:`~swan_dist.adapter.step_key`), ZeRO-1/2's param groups (one ``step()`` each, the others
-        taken out of ``param_groups``) by the groups themselves (dicts that live as long as the optimizer)."""
-        part = step_key([p for g in self.param_groups for p in g["params"]])
-        if part is not None:
-            return ("part", part)
-        groups = tuple(map(id, self.param_groups))
-        first = self.__dict__.setdefault("_groups_stepped", groups)
-        return "all" if groups == first else ("part", groups)
-
-    def _memo(self, key: object) -> EngineMemo:
-        if key not in self._memos:
-            self._memos[key] = EngineMemo()
-        return self._memos[key]
-
-    def _world(self) -> int:
-        if not (dist.is_available() and dist.is_initialized()):
-            return 1
-        return dist.get_world_size(self.process_group)
-
-    # ------------------------------------------------------------------ distributed bookkeeping
-    @property
-    def exchange(self):
-        """The :class:`~swan_dist.exchange.Exchange` the last distributed step over every parameter ran
-        (its ``plan``: owners, buckets, ranges); ``None`` before one, or without ``torch.distributed``.
-        Plans are cached per layout and are never state."""
-        return self.plans.last
-
-    @property
-    def plans(self):
-        """The plans the engine built for steps over every parameter (:class:`swan_dist.whitening.Plans`:
-        ``cache``, ``built``, ``last``)."""
-        return self._memo("all").plans
-
-    def plans_for(self, memo: object):
-        """The plans the engine built for the steps over the set of entries named ``memo``."""
-        return self._memo(memo).plans

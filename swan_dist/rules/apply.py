@@ -27,7 +27,7 @@ def foreach_scalar(value: float, like: Tensor) -> float | Tensor:
 def factors(group: dict) -> tuple[float | Tensor, float | Tensor | None]:
     """(lr·α, 1 − lr·α·wd) of a SWAN group: ``p ← p·decay − lr·α·ΔW``; the decay ``None`` where there is
     none. Where an option is a tensor (``capturable=True`` keeps ``lr``, ``alpha`` and ``weight_decay`` on the
-    device, with the AdamW fallback's ``betas`` and ``eps``) both are 0-d tensors, computed on the device: the step never reads them on the host."""
+    device) both are 0-d tensors, computed on the device: the step never reads them on the host."""
     lr, alpha, wd = group["lr"], group["alpha"], group["weight_decay"]
     if isinstance(lr, Tensor) or isinstance(alpha, Tensor) or isinstance(wd, Tensor):
         eff = lr * alpha if isinstance(lr, Tensor) else alpha * lr

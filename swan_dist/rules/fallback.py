@@ -91,13 +91,13 @@ def _adamw(state: dict, group: dict, pieces: list[Piece], skip: Tensor | None) -
     the kernel still cannot run (a tensor subclass), torch's foreach AdamW runs and what ``skip`` masks
     is put back from copies. Options kept on the device (``capturable=True``) run :func:`_adamw_on_device`."""
     b1, b2 = group["betas"]
-    device_options = isinstance(group["weight_decay"], Tensor) or isinstance(b1, Tensor) or isinstance(b2, Tensor)
+    device_options = any(isinstance(x, Tensor) for x in (group["weight_decay"], group["eps"], b1, b2))
+    pos = {id(pc): i for i, pc in enumerate(pieces)}  # a piece's index in ``skip``
     for kind in _kinds(pieces):
         m, v, st = zip(*(_adamw_state(state, pc) for pc in kind))
         targets, grads, m, v = local_of(kind[0].target, [pc.target for pc in kind],
                                         [pc.target_grad for pc in kind], m, v)
         st = list(st)
-        pos = {id(pc): i for i, pc in enumerate(pieces)}
         if device_options:
             keep = None if skip is None else (skip == 0).to(targets[0].device)
             _adamw_on_device(targets, grads, m, v, st, group, keep if keep is None or keep.dim() == 0 else
