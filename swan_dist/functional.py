@@ -104,6 +104,14 @@ def cpu_has_native_bf16() -> bool:
     return _cpuinfo_bf16()
 
 
+def _on_cpu(t: Tensor) -> bool:
+    """Whether ``t`` takes the CPU's formulation (exactly scaled copies, passes in row blocks that stay in
+    cache) rather than the accelerators' (fp64-accumulated reductions, one op per pass, for torch.compile
+    to fuse). Both compute the same update to rounding for any input; tests run the accelerators' on the
+    CPU through this one function."""
+    return t.device.type == "cpu"
+
+
 def _recip(norm: Tensor) -> Tensor:
     """1 / norm, with 0 for norm == 0 (so zero inputs map to zero outputs, never NaN)."""
     return torch.where(norm > 0, 1.0 / norm.clamp_min(torch.finfo(norm.dtype).tiny), 0.0)
@@ -153,7 +161,7 @@ def _combine(parts: list[Tensor], op: str) -> Tensor:
 def _col_max_abs(x: Tensor) -> Tensor:
     """Each column's max-abs ``(..., 1, cols)``, NaN for a column with a NaN (row block by row block on
     the CPU, so that the ``amin`` reads what the ``amax`` brought into cache)."""
-    if x.device.type != "cpu":
+    if not _on_cpu(x):
         return _max_abs(x, -2)
     return _combine([_max_abs(x[..., i:j, :], -2) for i, j in _row_blocks(x)], "max")
 
@@ -188,7 +196,7 @@ def _norm(x: Tensor, dim) -> Tensor:
     non-finite exactly where ``x`` has a NaN/Inf, and no host sync on any device. On an accelerator:
     accumulated in fp64, one pass. On the CPU, where fp64 reductions are several times slower: the norm
     of the exactly scaled copy (:func:`_scaled`), the scale divided out in fp64."""
-    if x.device.type != "cpu":
+    if not _on_cpu(x):
         return torch.linalg.vector_norm(x, dim=dim, keepdim=True, dtype=torch.float64)
     _, n, scale = _scaled(x, dim, keep=False)
     return n.to(torch.float64).div_(scale.to(torch.float64))
@@ -200,26 +208,18 @@ def _norm_bounded(x: Tensor, dim) -> Tensor:
     magnitude), so that a sum of squares cannot under- or overflow: one pass in the input's precision
     on the CPU (fp64 accumulation elsewhere, as :func:`_norm`). Still non-finite exactly where ``x``
     has a NaN/Inf."""
-    if x.device.type != "cpu":
+    if not _on_cpu(x):
         return torch.linalg.vector_norm(x, dim=dim, keepdim=True, dtype=torch.float64)
     return torch.linalg.vector_norm(x, dim=dim, keepdim=True)
 
 
 def _scale_by(x: Tensor, factor: Tensor, dtype: torch.dtype) -> Tensor:
-    """``x * factor`` written as ``dtype`` (a new tensor; ``x`` is never written). A widening result is
-    the exact cast, then the multiply in place (on the CPU 3-10x faster than one mixed-dtype multiply);
-    a narrowing one is the multiply in the inputs' precision, then the cast: the same two roundings as
-    one mixed-dtype multiply (which computes in that precision and rounds on the store), as one op on
-    accelerators and as two on the CPU, where a mixed-dtype store is 2-3x slower than both."""
-    factor = factor.to(torch.promote_types(x.dtype, torch.float32))
-    if x.dtype != dtype and torch.promote_types(x.dtype, dtype) == dtype:
-        return x.to(dtype).mul_(factor)
-    if dtype == torch.promote_types(x.dtype, factor.dtype):
-        return x * factor
-    if x.device.type == "cpu":
-        return torch.mul(x, factor).to(dtype)
-    out = torch.empty(x.shape, dtype=dtype, device=x.device)
-    return torch.mul(x, factor, out=out)
+    """``x * factor`` written as ``dtype`` (a new tensor; ``x`` is never written), on an accelerator: one
+    op computing in ``factor``'s precision and rounding once on the store. ``factor`` (fp64: GradNorm's
+    per column, the rescale's per matrix, from fp64 norms) may lie beyond ``x``'s range where the product
+    does not: 1/norm of a column of subnormal gradients overflows fp32, while ``x·factor`` is at most
+    sqrt(rows) (GradNorm) or sqrt(rows·cols) (the rescale)."""
+    return torch.mul(x, factor, out=torch.empty(x.shape, dtype=dtype, device=x.device))
 
 
 def _centred(g: Tensor, mode: str) -> Tensor:
@@ -235,7 +235,7 @@ def _grad_norm(g: Tensor, mode: str, dtype: torch.dtype) -> tuple[Tensor, Tensor
     g = _centred(g, mode)
     if mode == "none":
         return g.to(dtype), torch.isfinite(_max_abs(g, (-2, -1)))
-    if g.device.type == "cpu":  # GradNorm of the exactly scaled copy: the same result, a factor <= 2 sqrt(rows)
+    if _on_cpu(g):  # GradNorm of the exactly scaled copy: the same result, a factor <= 2 sqrt(rows)
         y, norms, _ = _scaled(g, -2, dtype=dtype)  # (subnormal columns included)
         finite = torch.isfinite(norms).all(dim=-1, keepdim=True)
         return y.mul_(_recip(norms) * math.sqrt(g.shape[-2])).to(dtype), finite
@@ -302,7 +302,7 @@ def _gram(x: Tensor) -> Tensor:
     is the same dot product, to rounding; the off-diagonal blocks are exact transposes of each other (a
     BLAS may round a diagonal block's two triangles apart, as it may the full GEMM's)."""
     s = x.shape[-2]
-    if x.dim() != 2 or s < _GRAM_HALVES_MIN or x.device.type != "cpu":
+    if x.dim() != 2 or s < _GRAM_HALVES_MIN or not _on_cpu(x):
         return x @ x.mT
     h = s // 2
     x0, x1 = x[:h], x[h:]
@@ -376,7 +376,7 @@ def _rescale_factor(u: Tensor, norm: Tensor) -> Tensor:
 
 
 def _rescale(u: Tensor, dtype: torch.dtype) -> Tensor:
-    if u.device.type == "cpu":  # the exactly scaled copy, rescaled in place (subnormal matrices included)
+    if _on_cpu(u):  # the exactly scaled copy, rescaled in place (subnormal matrices included)
         y, norm, _ = _scaled(u, (-2, -1))
         return y.mul_(_rescale_factor(y, norm)).to(dtype)
     return _scale_by(u, _rescale_factor(u, _norm(u, (-2, -1))), dtype)
@@ -451,9 +451,9 @@ def _compile_wanted(device: torch.device) -> bool:
 def _swan_update(g: Tensor, cfg: WhitenConfig) -> tuple[Tensor, Tensor]:
     wdtype = resolve_dtype(cfg, g.device)
     out_dtype = torch.promote_types(wdtype, torch.float32)
-    if g.device.type == "cpu" and cfg.method == "none" and cfg.grad_norm != "none":
+    if _on_cpu(g) and cfg.method == "none" and cfg.grad_norm != "none":
         return _grad_norm_rescaled(g, cfg.grad_norm, out_dtype)
-    if cfg.grad_norm == "rms" and cfg.method != "none" and g.device.type == "cpu" and g.shape[-1] <= g.shape[-2]:
+    if cfg.grad_norm == "rms" and cfg.method != "none" and _on_cpu(g) and g.shape[-1] <= g.shape[-2]:
         return _swan_update_gram_first(g, cfg, wdtype, out_dtype)
     x, finite = _grad_norm(g, cfg.grad_norm, wdtype)
     # whiten() works in the paper's orientation (rows = input dims): a square matrix takes the Gram
@@ -461,11 +461,10 @@ def _swan_update(g: Tensor, cfg: WhitenConfig) -> tuple[Tensor, Tensor]:
     x = whiten(x.mT, cfg.method, cfg.steps, cfg.beta, prescale=cfg.grad_norm == "none").mT
     bounded = cfg.grad_norm != "none" or cfg.method != "none"  # else x is the raw gradient
     if not bounded:  # the raw gradient: its norm taken with no under/overflow
-        if x.device.type == "cpu":
+        if _on_cpu(x):
             upd, norm, _ = _scaled(x, (-2, -1))  # the exactly scaled copy, so the factor is representable
             return _finish(upd.to(out_dtype), finite, norm)
-        upd = x.to(out_dtype, copy=True)
-        return _finish(upd, finite, _norm(upd, (-2, -1)))
+        return _finish(_scale_by(x, _recip(_norm(x, (-2, -1))), out_dtype), finite)  # x / ‖x‖_F: bounded
     if x.dtype == out_dtype:  # x is a new tensor (GradNorm's or the whitening's), written in place
         return _finish(x, finite)
     upd = torch.empty(x.shape, dtype=out_dtype, device=x.device)
@@ -487,7 +486,7 @@ def _finish(upd: Tensor, finite: Tensor, norm: Tensor | None = None, fill=None) 
     given, first writes rows ``i:j`` of ``upd``; on the CPU the rows are filled, measured and cleaned
     block by block (:data:`_PRODUCT_BLOCK_BYTES` of ``upd`` each), each block still in cache. Returns
     ``(update, finite[..., 0, 0])``, ``finite`` now that of the gradient and the update."""
-    if norm is not None or upd.device.type != "cpu":
+    if norm is not None or not _on_cpu(upd):
         if fill is not None:
             fill(0, upd.shape[-2], upd)
         if norm is None:

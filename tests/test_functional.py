@@ -403,6 +403,74 @@ def test_gradnorm_folded_into_gram_equals_general_path(monkeypatch, method, step
     F._swan_update(wide, WhitenConfig(method=method, steps=steps, beta=beta))
 
 
+@pytest.fixture(params=["cpu", "accelerator"])
+def formulation(request, monkeypatch):
+    """Each of the math's two formulations, run on this CPU: its own, and the accelerators' (fp64-accumulated
+    norms, one op per pass; ``functional._on_cpu`` False), which otherwise runs only on a GPU."""
+    import swan_dist.functional as F
+
+    if request.param == "accelerator":
+        monkeypatch.setattr(F, "_on_cpu", lambda t: False)
+    return request.param
+
+
+@pytest.mark.parametrize("shape", [(2, 96, 64), (2, 64, 96), (128, 128)])
+def test_the_accelerator_formulation_equals_the_cpu_one(monkeypatch, shape):
+    """The accelerators' formulation (run here on the CPU) gives the CPU's update to rounding and flags the
+    same matrices, for every preset and GradNorm mode, on moderate, tiny, huge and near-fp32-max gradients,
+    subnormal ones (a whole matrix, one column: 1/norm overflows fp32 there, the product does not), zero
+    columns and matrices, and NaN/Inf ones (zero updates, flagged); its updates are always finite. (The
+    mean-centred GradNorm of a gradient near fp32's max overflows in the centring: flagged, on both.)"""
+    import swan_dist.functional as F
+
+    gen = torch.Generator().manual_seed(5)
+    g = torch.randn(*shape, generator=gen)
+    col = torch.tensor([3])
+    cases = {"moderate": g, "tiny": g * 1e-30, "huge": g * 1e30, "near max": g / g.abs().max() * 3e38,
+             "subnormal": g * 1e-41, "subnormal column": g.index_copy(-1, col, g[..., 3:4] * 1e-41),
+             "zero column": g.index_fill(-1, col, 0.0), "zero": g * 0,
+             "nan column": g.index_fill(-1, col, float("nan")), "inf column": g.index_fill(-1, col, float("inf"))}
+    cfgs = [WhitenConfig(dtype="float32"), WhitenConfig(dtype="bfloat16"), WhitenConfig(method="ns", steps=10, beta=0.8),
+            WhitenConfig(grad_norm="mean", dtype="float32"), WhitenConfig(method="none"),
+            WhitenConfig(grad_norm="none", dtype="float32"), WhitenConfig(method="none", grad_norm="none")]
+    for name, x in cases.items():
+        for cfg in cfgs:
+            want, want_ok = swan_update(x, cfg)
+            with monkeypatch.context() as m:
+                m.setattr(F, "_on_cpu", lambda t: False)
+                got, ok = swan_update(x, cfg)
+            assert torch.equal(ok, want_ok) and bool(got.isfinite().all()), (name, cfg)
+            # mean-centred GradNorm of a near-max gradient: g - mean reaches 2x max, flagged on both
+            overflow = name == "near max" and cfg.grad_norm == "mean"
+            assert ok.all() == (name not in ("nan column", "inf column") and not overflow), (name, cfg)
+            tol = 2e-2 if cfg.dtype == "bfloat16" else 1e-3 if cfg.method == "ns" else 1e-4  # NS: 10 steps' rounding
+            rel = float((got - want).norm() / want.norm().clamp_min(1e-30))
+            assert rel <= tol, (name, cfg, rel)
+
+
+def test_the_accelerator_formulation_compiles(monkeypatch):
+    """What a GPU runs: the accelerators' formulation through torch.compile (here inductor's CPU code), fp32
+    and bf16 whitening, a stack with a subnormal matrix and a NaN one: it compiles (no fallback to eager),
+    flags the same matrices and gives the eager update to rounding."""
+    import swan_dist.functional as F
+
+    monkeypatch.setenv("SWAN_DIST_COMPILE", "1")
+    monkeypatch.setattr(F, "_on_cpu", lambda t: False)
+    monkeypatch.setattr(F, "_COMPILED", {})
+    monkeypatch.setattr(F, "_COMPILE_STATE", {})
+    g = torch.randn(3, 48, 32, generator=torch.Generator().manual_seed(9))
+    g[1] *= 1e-41
+    g[2, 0, 0] = float("nan")
+    for cfg, tol in ((WhitenConfig(dtype="float32"), 1e-5), (WhitenConfig(dtype="bfloat16"), 2e-2)):
+        got, ok = swan_update(g, cfg)
+        assert cfg in F._COMPILED and not F._COMPILE_STATE, F._COMPILE_STATE
+        want, want_ok = F._swan_update(g, cfg)
+        assert ok.tolist() == want_ok.tolist() == [True, True, False]
+        assert torch.equal(got[2], torch.zeros_like(got[2]))
+        assert float((got - want).norm() / want.norm()) < tol, cfg
+    torch._dynamo.reset()  # nothing compiled here stays for later tests
+
+
 def _awkward_stack(shape, dtype, gen):
     """A stack of 5 matrices of ``shape``: moderate, with a NaN, all zero, with an Inf, and one whose
     columns span 1e-30..1e30; as ``dtype``."""
@@ -420,7 +488,7 @@ _CFGS = [WhitenConfig(), WhitenConfig(dtype="bfloat16"), WhitenConfig(method="ns
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_math_reads_no_tensor_value_on_the_host(dtype):
+def test_the_math_reads_no_tensor_value_on_the_host(dtype, formulation):
     """swan_update, grad_norm, whiten and rescale decide everything on the device, on the CPU too: no
     call of torch.Tensor's value-reading methods (item, tolist, bool, nonzero, cpu, int, float, index,
     numpy; tests/host_reads.py), by anyone, for tall (Gram-first), wide and square stacks and single
@@ -444,7 +512,7 @@ def test_the_math_reads_no_tensor_value_on_the_host(dtype):
         assert torch.equal(upd[bad], torch.zeros_like(upd[bad]))
 
 
-def test_fake_tensors_run_the_same_code():
+def test_fake_tensors_run_the_same_code(formulation):
     """Under FakeTensorMode (shapes and dtypes, no data: a step's memory estimated) swan_update runs the
     code real tensors run (the module has nothing to special-case) and gives the real shapes and dtypes."""
     import inspect
@@ -473,7 +541,7 @@ def test_fake_tensors_run_the_same_code():
 
 @pytest.mark.parametrize("shape", [(24, 16), (16, 24), (16, 16), (3, 24, 16), (3, 16, 24)])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_gradient_and_column_scales_change_nothing(shape, dtype):
+def test_gradient_and_column_scales_change_nothing(shape, dtype, formulation):
     """Tall (Gram-first on the CPU), wide and square, single and stacked, fp32 and bf16 iterations: each
     column multiplied by its own power of two from 2^-100 to 2^100 gives bitwise the same update (GradNorm
     removes it, and no rounding sees a power of two); tiny (1e-30) and huge (1e30) gradients, columns
@@ -496,7 +564,7 @@ def test_gradient_and_column_scales_change_nothing(shape, dtype):
     torch.testing.assert_close(swan_update(sub, cfg)[0], swan_update((sub.double() * 2.0 ** 140).float(), cfg)[0])
 
 
-def test_norms_of_extreme_inputs():
+def test_norms_of_extreme_inputs(formulation):
     """rescale and grad_norm: the norms under- and overflow nowhere (huge, tiny, subnormal, spread)."""
     for x in (torch.full((3, 4), 1e30), torch.full((3, 4), 3e38), torch.full((3, 4), 1e-30), torch.full((3, 4), 1e-44),
               torch.randn(2, 5, 6) * torch.logspace(-37, 37, 6)):
@@ -512,7 +580,7 @@ def test_norms_of_extreme_inputs():
     assert torch.isfinite(rescale(bad)[0]).all() and not torch.isfinite(rescale(bad)[1]).all()
 
 
-def test_nonfinite_matrices_in_every_path_leave_the_others_alone():
+def test_nonfinite_matrices_in_every_path_leave_the_others_alone(formulation):
     """Tall (Gram-first) and wide stacks, bf16 and fp32 gradients and iterations, NS and NSDS: a NaN or
     an Inf zeroes its own matrix's update and clears its flag; the other matrices get what they get alone."""
     gen = torch.Generator().manual_seed(41)
@@ -527,7 +595,7 @@ def test_nonfinite_matrices_in_every_path_leave_the_others_alone():
                 torch.testing.assert_close(upd[[0, 2, 4]], alone, atol=1e-6, rtol=1e-5)
 
 
-def test_inputs_are_never_written():
+def test_inputs_are_never_written(formulation):
     """The fast paths cast and scale in place: only ever their own temporaries, for every input dtype,
     whitening dtype, GradNorm mode and method."""
     for dt in (torch.bfloat16, torch.float32, torch.float64):
