@@ -1,7 +1,7 @@
 """Every integration page's complete example runs as written: the page's ```python block is saved under
 the name the page gives it and started with the page's own launch command (`.venv/bin/` there is this
-interpreter's folder). Where the example prints ``step loss`` lines, the loss must fall. Examples that
-need CUDA (megatron-core's) run only where CUDA is available."""
+interpreter's folder). Where the example prints ``step loss`` lines (or the Trainer's ``{'loss': ...}``
+logs), the loss must fall. Examples that need CUDA (megatron-core's) run only where CUDA is available."""
 
 from __future__ import annotations
 
@@ -60,6 +60,7 @@ def test_page_example_runs_as_written(tmp_path, page, name, code, command):
     argv = [str(bin_dir / a[len(".venv/bin/"):]) if a.startswith(".venv/bin/") else a for a in words]
     out = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=800)
     losses = [float(m) for m in re.findall(r"^(?:step )?\d+:? (?:loss )?([0-9.]+)\s*$", out.stdout, re.M)]
+    losses += [float(m) for m in re.findall(r"^\{'loss': '?([0-9.]+)'?,", out.stdout, re.M)]  # Trainer's logs
     # a rank aborting in native teardown after the script finished (DeepSpeed/gloo threads freed during
     # interpreter exit, docs/troubleshooting.md) is torch's, not the example's: accepted only then
     teardown = "terminate called without an active exception" in out.stderr and len(losses) >= 2
