@@ -106,24 +106,25 @@ def main() -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     sizes = (args.sizes or ("1b3,7b" if device.type == "cuda" else "tiny")).split(",")
     lines = ["| model | optimizer | step (ms) | vs AdamW fused | vs AdamW foreach |", "|---|---|---:|---:|---:|"]
-    for size in sizes:
+    dev = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    for size in sizes:  # each size's rows printed and written once measured: a later size cut short loses only its own
         best = measure(size, args, device)
         for name, t in best.items():
             lines.append(f"| {size} | {name} | {t * 1e3:.2f} | {t / best['adamw-fused']:.2f}x | "
                          f"{t / best['adamw-foreach']:.2f}x |")
         if "swan-captured" in best:
             lines.append(f"| {size} | captured / eager (capturable) | | **{best['swan-captured'] / best['swan-capturable']:.2f}x** | |")
-    dev = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-    text = "\n".join([
-        f"Reference LLaMA in bf16 (parameters and gradients), one process, {dev}, torch {torch.__version__}: "
-        f"`optimizer.step()` on fixed gradients under an lr schedule (LambdaLR, a new lr every step), each optimizer in turn: {args.rounds} rounds of "
-        f"{args.steps} steps after {args.warmup} warm-up steps, the best round's median. "
-        "`swan`: SWAN‡ (`SWAN(model)`); `swan-capturable`: with `capturable=True`, eager; `swan-captured`: that "
-        "step captured once in a CUDA graph and replayed. `muon`: torch's Muon on SWAN's matrices, AdamW (foreach) on "
-        "the rest. Weight decay 0.1 for all.", "", *lines])
-    print(text)
-    if device.type == "cuda":
-        write_section("captured-step-cuda", "Optimizer step on one GPU (CUDA): eager and captured, SWAN‡ vs AdamW and Muon", text)
+        text = "\n".join([
+            f"Reference LLaMA in bf16 (parameters and gradients), one process, {dev}, torch {torch.__version__}: "
+            f"`optimizer.step()` on fixed gradients under an lr schedule (LambdaLR, a new lr every step), each optimizer in turn: {args.rounds} rounds of "
+            f"{args.steps} steps after {args.warmup} warm-up steps, the best round's median (the first warm-up step compiles "
+            "SWAN's whitening on CUDA). "
+            "`swan`: SWAN‡ (`SWAN(model)`); `swan-capturable`: with `capturable=True`, eager; `swan-captured`: that "
+            "step captured once in a CUDA graph and replayed. `muon`: torch's Muon on SWAN's matrices, AdamW (foreach) on "
+            "the rest. Weight decay 0.1 for all.", "", *lines])
+        print(text, flush=True)
+        if device.type == "cuda":
+            write_section("captured-step-cuda", "Optimizer step on one GPU (CUDA): eager and captured, SWAN‡ vs AdamW and Muon", text)
 
 
 if __name__ == "__main__":
