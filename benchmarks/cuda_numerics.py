@@ -7,6 +7,8 @@ the same gradients:
 1. ``swan_update`` (GradNorm, whitening, rescale) for SWAN‡ (NSDS), SWAN† (NS, 10 steps, β 0.8), the
    mean-centred GradNorm and a batched stack, on the device with ``whiten_dtype`` float32 and ``auto``
    (bf16 for NSDS on CUDA, fp32 otherwise): max |Δ| over the update's RMS (1 after rescale);
+   on tiny (1e-30), huge (1e30) and subnormal gradients (a whole matrix, one column), the update against
+   the CPU's (inf where the finite flags differ or the update is not finite);
 2. the polar factor: NS with 30 steps, β 0.5 on well-conditioned matrices vs SVD, on the device in fp32;
 3. one ``swan_dist.SWAN`` step (fallback AdamW) on the reference ``tiny`` model: the parameters after
    the step on the device vs on the CPU (fp32 whitening on both), relative to the step's size;
@@ -82,6 +84,19 @@ def main() -> int:
             out = swan_update(grad.float().to(dev), run)[0]
             report(f"swan_update {label}, {dtype} ({used})", (out.double().cpu() - ref).abs().max().item() / rms,
                    TOL[used])
+
+    # extreme gradients: the device's update and finite flags against the CPU's (fp32 both)
+    base = torch.randn(256, 96, generator=g)
+    extreme = {"tiny (1e-30)": base * 1e-30, "huge (1e30)": base * 1e30, "subnormal (1e-41)": base * 1e-41,
+               "one subnormal column": base.index_copy(1, torch.tensor([3]), base[:, 3:4] * 1e-41)}
+    for label, x in extreme.items():
+        for name, cfg in (("SWAN‡", WhitenConfig(dtype="float32")), ("no GradNorm, no whitening",
+                                                                      WhitenConfig(method="none", grad_norm="none"))):
+            want, want_ok = swan_update(x, cfg)
+            got, ok = swan_update(x.to(dev), cfg)
+            same = bool(ok.cpu() == want_ok) and bool(got.isfinite().all())
+            err = (got.double().cpu() - want).abs().max().item() / want.pow(2).mean().sqrt().item() if same else float("inf")
+            report(f"swan_update, {label} gradient, {name}: device vs CPU", err, 1e-3)
 
     for shape in ((64, 256), (256, 64), (48, 48)):
         m = _well_conditioned(*shape)
