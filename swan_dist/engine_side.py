@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
+import torch
 import torch.distributed as dist
 from torch import Tensor
 
@@ -30,6 +31,7 @@ class EngineSide:
     def _holdings(self) -> Holdings:
         return Holdings(self.param_groups, self.state, self._origin, self._packed, self._forms)
 
+    @torch.compiler.disable  # host bookkeeping: traced, its per-parameter helpers were each a compiled frame
     def collect_entries(self, params: Iterable[Tensor] | None = None) -> tuple[list[Entry], BaseException | None]:
         """This rank's entries (one per logical parameter: group, piece, record) for a step over every
         parameter, or over those of ``params`` (tensors of this optimizer's groups), and what failed here

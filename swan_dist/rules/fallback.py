@@ -91,7 +91,10 @@ def _adamw(state: dict, group: dict, pieces: list[Piece], skip: Tensor | None) -
     the kernel still cannot run (a tensor subclass), torch's foreach AdamW runs and what ``skip`` masks
     is put back from copies. Options kept on the device (``capturable=True``) run :func:`_adamw_on_device`."""
     b1, b2 = group["betas"]
-    device_options = any(isinstance(x, Tensor) for x in (group["weight_decay"], group["eps"], b1, b2))
+    # options on the device, or a step traced by torch.compile (whose functionalization rejects the fused
+    # kernel's in-place update with a per-piece found_inf computed in the graph): torch's foreach ops
+    device_options = torch.compiler.is_compiling() or any(
+        isinstance(x, Tensor) for x in (group["weight_decay"], group["eps"], b1, b2))
     pos = {id(pc): i for i, pc in enumerate(pieces)}  # a piece's index in ``skip``
     for kind in _kinds(pieces):
         m, v, st = zip(*(_adamw_state(state, pc) for pc in kind))
@@ -137,13 +140,15 @@ def _adamw_on_device(targets: list[Tensor], grads: list[Tensor], m: list[Tensor]
     replays what they hold), in torch's foreach ops, for any tensor type. torch's fused kernel takes betas,
     eps and weight decay as numbers, and its capturable foreach AdamW runs on CUDA only without
     ``found_inf``. Where ``keep`` (bool, one for all or one per target) is off, the target, its moments and
-    its step count stay bit for bit: that piece's lr and ``1 - beta``s are zero and its gradient zeros."""
+    its step count stay bit for bit: that piece's lr and ``1 - beta``s are zero and its gradient zeros. Also
+    the AdamW of a step ``torch.compile`` traces, where options may be numbers."""
     dev = targets[0].device
-    lr, wd, eps, b1, b2 = (x.to(dev) for x in (group["lr"], group["weight_decay"], group["eps"], *group["betas"]))
+    lr, wd, eps, b1, b2 = (x.to(dev) if isinstance(x, Tensor) else x  # (numbers in a step torch.compile traces)
+                           for x in (group["lr"], group["weight_decay"], group["eps"], *group["betas"]))
     on = None if keep is None else keep.to(torch.float32).expand(len(targets))
 
-    def each(x: Tensor) -> Tensor | list[Tensor]:  # one 0-d option for all, or its value per target
-        return x if x.dim() == 0 else list(x.unbind(0))
+    def each(x: Tensor | float) -> Tensor | float | list[Tensor]:  # one option for all, or its value per target
+        return x if not isinstance(x, Tensor) or x.dim() == 0 else list(x.unbind(0))
     # the rate and the moments' weights of each target: zero where it is kept as it is
     rate, k1, k2 = (x if on is None else x * on for x in (lr, 1 - b1, 1 - b2))
     if on is not None:
