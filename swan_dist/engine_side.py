@@ -10,6 +10,7 @@ module what a step hands to :func:`swan_dist.engine.run_step` and keeps from it.
 
 from __future__ import annotations
 
+import functools
 from typing import Iterable
 
 import torch
@@ -25,18 +26,29 @@ from .rules import check_scalars
 __all__ = ["EngineSide"]
 
 
+@functools.cache
+def _eagerly(fn):
+    """``fn`` run eagerly where torch.compile traces its caller (made on first use: ``torch.compiler.disable``
+    imports torch._dynamo, which ``import swan_dist`` does not)."""
+    return torch.compiler.disable(fn)
+
+
 class EngineSide:
     """Entries, engine steps and the engine's memos of a :class:`swan_dist.SWAN` (see the module)."""
 
     def _holdings(self) -> Holdings:
         return Holdings(self.param_groups, self.state, self._origin, self._packed, self._forms)
 
-    @torch.compiler.disable  # host bookkeeping: traced, its per-parameter helpers were each a compiled frame
     def collect_entries(self, params: Iterable[Tensor] | None = None) -> tuple[list[Entry], BaseException | None]:
         """This rank's entries (one per logical parameter: group, piece, record) for a step over every
         parameter, or over those of ``params`` (tensors of this optimizer's groups), and what failed here
         while collecting them (the scalar options are checked first), which :meth:`step_entries` announces
         to every rank. At W = 1 a failure is raised at once."""
+        if torch.compiler.is_compiling():  # host bookkeeping: run eagerly (traced, each per-parameter helper
+            return _eagerly(EngineSide._collect)(self, params)  # was a frame compiled anew per parameter)
+        return self._collect(params)
+
+    def _collect(self, params: Iterable[Tensor] | None) -> tuple[list[Entry], BaseException | None]:
         world = self._world()
         deferred = Deferred(world)
         with deferred:
