@@ -464,7 +464,8 @@ def _swan_update(g: Tensor, cfg: WhitenConfig) -> tuple[Tensor, Tensor]:
         if _on_cpu(x):
             upd, norm, _ = _scaled(x, (-2, -1))  # the exactly scaled copy, so the factor is representable
             return _finish(upd.to(out_dtype), finite, norm)
-        return _finish(_scale_by(x, _recip(_norm(x, (-2, -1))), out_dtype), finite)  # x / ‖x‖_F: bounded
+        upd = x.to(out_dtype, copy=True)
+        return _finish(upd, finite, _norm(upd, (-2, -1)))
     if x.dtype == out_dtype:  # x is a new tensor (GradNorm's or the whitening's), written in place
         return _finish(x, finite)
     upd = torch.empty(x.shape, dtype=out_dtype, device=x.device)
@@ -502,7 +503,9 @@ def _finish(upd: Tensor, finite: Tensor, norm: Tensor | None = None, fill=None) 
             torch.nan_to_num_(ub, 0.0, 0.0, 0.0)
         norm = parts[0] if len(parts) == 1 else torch.linalg.vector_norm(torch.cat(parts, -1), dim=-1, keepdim=True)
     finite = finite & norm.isfinite()
-    factor = torch.where(finite, _rescale_factor(upd, norm), 0.0).to(upd.dtype)
+    # in the norm's precision, rounded once on the store: an accelerator's fp64 norm of a subnormal matrix
+    # gives a factor beyond fp32's range, the product is not
+    factor = torch.where(finite, _rescale_factor(upd, norm), 0.0)
     return upd.mul_(factor), finite[..., 0, 0]
 
 

@@ -89,11 +89,12 @@ def _adamw(state: dict, group: dict, pieces: list[Piece], skip: Tensor | None) -
     its moments and its step count bit for bit unchanged, decided on the device (GradScaler's way).
     Gradients of another dtype than their target (or not contiguous) are given to it converted; where
     the kernel still cannot run (a tensor subclass), torch's foreach AdamW runs and what ``skip`` masks
-    is put back from copies. Options kept on the device (``capturable=True``) run :func:`_adamw_on_device`."""
+    is put back from copies. Options kept on the device (``capturable=True``), and a step torch.compile
+    traces, run :func:`_adamw_on_device`."""
     b1, b2 = group["betas"]
     # options on the device, or a step traced by torch.compile (whose functionalization rejects the fused
     # kernel's in-place update with a per-piece found_inf computed in the graph): torch's foreach ops
-    device_options = torch.compiler.is_compiling() or any(
+    foreach_path = torch.compiler.is_compiling() or any(
         isinstance(x, Tensor) for x in (group["weight_decay"], group["eps"], b1, b2))
     pos = {id(pc): i for i, pc in enumerate(pieces)}  # a piece's index in ``skip``
     for kind in _kinds(pieces):
@@ -101,7 +102,7 @@ def _adamw(state: dict, group: dict, pieces: list[Piece], skip: Tensor | None) -
         targets, grads, m, v = local_of(kind[0].target, [pc.target for pc in kind],
                                         [pc.target_grad for pc in kind], m, v)
         st = list(st)
-        if device_options:
+        if foreach_path:
             keep = None if skip is None else (skip == 0).to(targets[0].device)
             _adamw_on_device(targets, grads, m, v, st, group, keep if keep is None or keep.dim() == 0 else
                              pick(keep, [pos[id(pc)] for pc in kind]))
