@@ -87,7 +87,11 @@ class Collector:
         reuse = self.reuse
         kept = {} if only is None else {k: v for k, v in reuse.items() if k not in only}
         self.reuse = kept  # tensors no longer in a group are dropped
+        listed = set()
         for gi, g in enumerate(held.groups):
+            if id(g["params"]) in listed:  # a group listed twice in param_groups (torch's load_state_dict
+                continue  # makes the copies new dicts over the same list): its tensors step once
+            listed.add(id(g["params"]))
             opts = group_options(g)
             origin, params = held.origin[gi], g["params"]
             if only is not None and not any(id(p) in only for p in params):

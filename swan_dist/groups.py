@@ -68,16 +68,32 @@ def as_numbers(group: dict[str, Any]) -> dict[str, Any]:
     return _each_option(group, lambda value: float(value) if isinstance(value, Tensor) else value)
 
 
+def _tensors_and_names(raw: Any, names: list | None) -> tuple[list[Tensor], list | None]:
+    """A group's ``params`` (a tensor, or an ordered iterable of tensors or of ``(name, tensor)`` pairs) as
+    (tensors, names or None), refused as torch's ``Optimizer.add_param_group`` refuses it."""
+    if isinstance(raw, set):
+        raise TypeError("optimizer parameters need to be organized in ordered collections, but the ordering of "
+                        "tensors in sets will change between runs. Please use a list instead.")
+    raw = [raw] if isinstance(raw, Tensor) else list(raw)
+    pairs = [isinstance(p, tuple) for p in raw]
+    if any(pairs):
+        if not all(pairs):
+            raise ValueError("all optimizer params should be with/without names. Some param names are missing")
+        names, raw = [n for n, _ in raw], [p for _, p in raw]
+    for p in raw:
+        if not isinstance(p, Tensor):
+            raise TypeError(f"optimizer can only optimize Tensors, but one of the params is {torch.typename(p)}")
+        if not (p.is_leaf or p.retains_grad):
+            raise ValueError("can't optimize a non-leaf Tensor")
+    return raw, names
+
+
 def split_group(param_group: dict[str, Any], defaults: dict[str, Any], seen: Classified,
                 capturable: bool) -> list[tuple[dict[str, Any], list[Origin]]]:
     """``param_group`` (its options completed from ``defaults`` and checked) as SWAN's groups, each with the
     ``(name, parameter)`` pairs it was given; its parameters classified into ``seen``."""
     group = dict(param_group)
-    raw = group.pop("params")
-    raw = [raw] if isinstance(raw, Tensor) else list(raw)
-    names = group.pop("param_names", None)
-    if raw and isinstance(raw[0], tuple):
-        names, raw = [n for n, _ in raw], [p for _, p in raw]
+    raw, names = _tensors_and_names(group.pop("params"), group.pop("param_names", None))
     forced = group.pop("use_swan", None)
     for key, value in defaults.items():
         group.setdefault(key, value)

@@ -51,7 +51,8 @@ def _as_groups(params: Iterable[Any] | nn.Module, include: list[str], exclude: l
             raise ValueError("swan_dist: SWAN(module, model=other) names two models; give the module alone, "
                              "SWAN(module), or its parameters with model=module")
         return param_groups(params, include, exclude)
-    params = [{**g, "params": [g["params"]] if isinstance(g["params"], Tensor) else list(g["params"])}
+    params = [{**g, "params": [g["params"]] if isinstance(g["params"], Tensor) else
+               g["params"] if isinstance(g["params"], set) else list(g["params"])}  # a set: refused as torch does
               if isinstance(g, dict) else g for g in params]
     bare = [p for p in params if isinstance(p, Tensor)] + [
         p for g in params if isinstance(g, dict) and not g.get("param_names") for p in g["params"]
@@ -139,6 +140,10 @@ class SWAN(EngineSide, torch.optim.Optimizer):
 
     def __init__(
         self,
+        maximize: accepted as ``False`` only. Left out on purpose, as torch's ``Muon`` leaves it out: SWAN's
+            update, and each fallback rule's, is exactly odd in the gradient, so ``(-loss).backward()``
+            maximizes ``loss`` with the very updates a ``maximize=True`` would make, at no cost to every
+            other step (docs/optimizer.md, "Maximizing").
         params: Iterable[Any] | nn.Module,
         lr: float | None = None,
         preset: str | None = "swan_ddagger",
@@ -172,7 +177,16 @@ class SWAN(EngineSide, torch.optim.Optimizer):
             lr=lr, alpha=alpha, whitening=whitening, ns_steps=ns_steps, beta=beta, grad_norm=grad_norm,
             whiten_dtype=whiten_dtype, weight_decay=weight_decay, fallback=fallback, betas=betas,
             eps=eps, nonfinite=nonfinite, fallback_lr=fallback_lr, split_fused=split_fused), adamw_lr)
+        maximize: bool = False,
         if adamw_lr is not None and not isinstance(params, nn.Module):
+        if isinstance(params, Tensor):  # torch's Optimizer: a tensor is not an iterable of parameters
+            raise TypeError("params argument given to the optimizer should be an iterable of Tensors or dicts, "
+                            f"but got {torch.typename(params)}")
+        if maximize is not False:
+            raise ValueError(
+                "swan_dist: SWAN has no maximize=True: its update is odd in the gradient (GradNorm, whitening and "
+                "rescale, and each fallback rule, AdamW's included, turn a negated gradient into the exactly "
+                "negated update), so maximizing f is minimizing -f: call (-f).backward() and step as usual")
             params = adamw_group_decay(params)
         check_engine(mode, bucket_mb, capturable)
         self.capturable = capturable  # each group's lr a 0-d tensor on its parameters' device

@@ -1,9 +1,11 @@
-"""SWAN presets (SWAN-0, SWAN†, SWAN‡) stored as YAML in ``configs/presets/`` and loaded by name."""
+"""SWAN presets (SWAN-0, SWAN†, SWAN‡) stored as YAML in the package (``swan_dist/configs/presets/``,
+package data) and loaded by name."""
 
 from __future__ import annotations
 
 import os
-import sys
+from importlib import resources
+from importlib.resources.abc import Traversable
 from pathlib import Path
 from typing import Any
 
@@ -28,42 +30,45 @@ _ALIASES = {
 }
 
 
-def config_dir() -> Path:
-    """The ``configs/`` folder: ``$SWAN_DIST_CONFIG_DIR``, the source checkout, or the installed copy."""
+def config_dir() -> Traversable:
+    """Where the presets are read: ``$SWAN_DIST_CONFIG_DIR`` (a folder holding ``presets/*.yaml``) where it
+    is set, else the package's own ``configs/`` (package data, read through :mod:`importlib.resources`, so
+    a wheel, ``pip install .`` or ``--target`` install finds it as a checkout does)."""
     env = os.environ.get("SWAN_DIST_CONFIG_DIR")
-    candidates = [Path(env)] if env else []
-    candidates += [
-        Path(__file__).resolve().parent.parent / "configs",
-        Path(sys.prefix) / "share" / "swan_dist" / "configs",
-    ]
-    for c in candidates:
-        if (c / "presets").is_dir():
-            return c
-    raise FileNotFoundError(
-        "swan_dist: no configs/presets folder found (looked in "
-        + ", ".join(str(c) for c in candidates)
-        + "); set SWAN_DIST_CONFIG_DIR"
-    )
+    if env:
+        if not (Path(env) / "presets").is_dir():
+            raise FileNotFoundError(f"swan_dist: SWAN_DIST_CONFIG_DIR={env!r} has no presets/ folder; "
+                                    "unset it to use the presets installed with swan_dist")
+        return Path(env)
+    found = resources.files("swan_dist") / "configs"
+    if not (found / "presets").is_dir():
+        raise FileNotFoundError(f"swan_dist: the installed package has no configs/presets ({found}): "
+                                "reinstall swan_dist, or set SWAN_DIST_CONFIG_DIR")
+    return found
+
+
+def _preset_files() -> dict[str, Traversable]:
+    return {f.name[: -len(".yaml")]: f for f in (config_dir() / "presets").iterdir() if f.name.endswith(".yaml")}
 
 
 def list_presets() -> list[str]:
-    return sorted(p.stem for p in (config_dir() / "presets").glob("*.yaml"))
+    return sorted(_preset_files())
 
 
 def load_preset(name: str) -> dict[str, Any]:
     """A preset by name (``swan_0``, ``swan_dagger``, ``swan_ddagger``, or an alias such as ``SWAN‡``)
     or by path to a YAML file. Returns ``{"name", "description", "optimizer": {...}, "schedule": {...}}``.
     Unknown keys raise ``ValueError`` naming the key and the file."""
-    path = Path(name)
+    path: Traversable = Path(name)
     if not (path.suffix in (".yaml", ".yml") and path.is_file()):
         key = _ALIASES.get(name.lower(), name.lower())
-        path = config_dir() / "presets" / f"{key}.yaml"
-        if not path.is_file():
-            raise ValueError(f"unknown SWAN preset {name!r}; available: {', '.join(list_presets())}")
-    with open(path) as f:
-        data = yaml.safe_load(f) or {}
+        files = _preset_files()
+        if key not in files:
+            raise ValueError(f"unknown SWAN preset {name!r}; available: {', '.join(sorted(files))}")
+        path = files[key]
+    data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
     _check_keys(data, _TOP_KEYS, str(path))
-    data.setdefault("name", path.stem)
+    data.setdefault("name", path.name.rsplit(".", 1)[0])
     data.setdefault("description", "")
     data["optimizer"] = dict(data.get("optimizer") or {})
     data["schedule"] = dict(data.get("schedule") or {})

@@ -23,16 +23,14 @@ def export_states(sd: dict[str, Any], groups: list[dict], packed: dict[Tensor, t
     """torch's state dict ``sd`` with an empty entry for every parameter without state (zero bytes, but
     ``torch.distributed.checkpoint.set_state_dict`` in strict mode requires an entry for every trainable
     parameter), each entry in its adapter's layout."""
-    for g in sd["param_groups"]:
-        for i in g["params"]:
-            sd["state"].setdefault(i, {})
     stateful = {id(p) for g in groups if _stateful(g) for p in g["params"]}
-    i = 0
-    for g in groups:
-        for p in g["params"]:
-            rules = packed.get(p, (g["use_swan"],))
-            sd["state"][i] = adapter_for(p).export_state(p, sd["state"][i], rules, stateful)
-            i += 1
+    done = set()  # a group listed twice in param_groups (torch saves it, its tensors' indices repeated)
+    for packed_group, g in zip(sd["param_groups"], groups):
+        for i, p in zip(packed_group["params"], g["params"]):
+            if i not in done:
+                done.add(i)
+                rules = packed.get(p, (g["use_swan"],))
+                sd["state"][i] = adapter_for(p).export_state(p, sd["state"].get(i, {}), rules, stateful)
     return sd
 
 
@@ -50,8 +48,12 @@ def zero_states(state: dict, groups: list[dict], packed: dict[Tensor, tuple[bool
 def import_states(state: dict, groups: list[dict], packed: dict[Tensor, tuple[bool, ...]]) -> None:
     """After torch's ``load_state_dict``: each tensor's state back from its adapter's layout; stateless
     parameters keep none."""
+    seen = set()
     for g in groups:
         for p in g["params"]:
+            if id(p) in seen:  # a group listed twice
+                continue
+            seen.add(id(p))
             rules = packed.get(p)
             if rules is None and not _stateful(g):
                 state.pop(p, None)
