@@ -90,14 +90,16 @@ class StepAgreement:
         return Verdict.OK, all_reduce_max(codes.clone(), group)
 
 
-def engine_descriptor(mode: str, bucket_mb: float, device: torch.device, records: Sequence) -> Descriptor:
+def engine_descriptor(mode: str, bucket_mb: float, device: torch.device, records: Sequence,
+                      exchange_dtype: str = "auto") -> Descriptor:
     """The engine's part of the structure every rank must agree on, shaped like a record's descriptor so
-    that a difference names its setting: mode, bucket bound, the exchange's device type, the whitening
-    dtypes ``auto`` resolves to there (decided per process: the CPU's bf16 support, ``SWAN_DIST_CPU_BF16``)
+    that a difference names its setting: mode, bucket bound, the exchange's dtype choice and device type, the
+    whitening dtypes ``auto`` resolves to there (decided per process: the CPU's bf16 support, ``SWAN_DIST_CPU_BF16``)
     and whether ``torch.compile`` runs (``SWAN_DIST_COMPILE``, or a compile that failed on some rank)."""
     dtypes = sorted({str(resolve_dtype(r.cfg, device)) for r in records if r.cfg is not None})
     return Descriptor("<engine>", (), (), "", (("mode", repr(mode)), ("bucket_mb", repr(bucket_mb)),
-                                               ("device", device.type), ("whiten_dtype (resolved)", repr(dtypes)),
+                                               ("exchange_dtype", repr(exchange_dtype)), ("device", device.type),
+                                               ("whiten_dtype (resolved)", repr(dtypes)),
                                                ("compile", repr(_compile_wanted(device)))))
 
 
@@ -125,7 +127,7 @@ def agree(entries: list[Entry], failure: BaseException | None, ctx, memo, groups
     if ctx.world == 1:
         return Agreed(codes, None, None, False)
     records = [e.record for e in entries]
-    engine = engine_descriptor(ctx.mode, ctx.bucket_mb, ctx.device, records)
+    engine = engine_descriptor(ctx.mode, ctx.bucket_mb, ctx.device, records, ctx.exchange_dtype)
     structure = memo.hashes.structure(records, engine)
     layout = memo.hashes.layout(pieces)
     if is_fake(codes) and memo.agreement.agreed is None:  # a trace (torch's fake process group, fake tensors):

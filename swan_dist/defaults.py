@@ -9,9 +9,10 @@ from typing import Any, Iterable
 import torch.distributed as dist
 
 from .engine import MODES
-from .lr import MATRIX_RATIO, WARN_BELOW, from_adamw
+from .lr import MATRIX_RATIO, WARN_BELOW, from_adamw, weight_decay_from_adamw
 from .presets import OPTIMIZER_KEYS, load_preset
 from .rules import check_group
+from .whitening import EXCHANGE_DTYPES
 
 __all__ = ["BASE", "resolve", "check_engine", "adamw_group_decay", "pair", "rank0"]
 
@@ -71,8 +72,10 @@ def _from_adamw_lr(preset: str | None, explicit: dict[str, Any], adamw_lr: float
             **({"weight_decay": conv["weight_decay"]} if "weight_decay" in conv else {})}
 
 
-def check_engine(mode: str, bucket_mb: Any, capturable: Any) -> None:
+def check_engine(mode: str, bucket_mb: Any, capturable: Any, exchange_dtype: Any = "auto") -> None:
     """The optimizer's engine options (not param-group options), checked at construction."""
+    if exchange_dtype not in EXCHANGE_DTYPES:
+        raise ValueError(f"swan_dist: exchange_dtype must be one of {EXCHANGE_DTYPES}, got {exchange_dtype!r}")
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) or not 0 < bucket_mb < float("inf"):
@@ -84,7 +87,7 @@ def check_engine(mode: str, bucket_mb: Any, capturable: Any) -> None:
 def adamw_group_decay(params: Iterable[Any]) -> list:
     """With ``adamw_lr``, a param group's own ``weight_decay`` is AdamW's too (the Trainer's decay group):
     converted as :func:`swan_dist.from_adamw` converts the argument's."""
-    return [{**g, "weight_decay": g["weight_decay"] / MATRIX_RATIO}
+    return [{**g, "weight_decay": weight_decay_from_adamw(g["weight_decay"])}
             if isinstance(g, dict) and isinstance(g.get("weight_decay"), (int, float))
             and not isinstance(g.get("weight_decay"), bool) else g for g in params]
 

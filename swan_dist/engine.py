@@ -38,27 +38,29 @@ MODES = ("auto", "owner", "replicated", "local")
 @dataclass(frozen=True)
 class StepContext:
     """Where a step runs: the world size of ``group``, the communication ``device`` (``None`` at W=1), the
-    resolved ``mode`` (``local`` at W=1) and the owners' bucket bound."""
+    resolved ``mode`` (``local`` at W=1), the owners' bucket bound and the exchange's dtype choice
+    (:func:`~swan_dist.whitening.exchange_dtypes`)."""
 
     world: int
     group: dist.ProcessGroup | None
     device: torch.device | None
     mode: str
     bucket_mb: float
+    exchange_dtype: str = "auto"
 
     @classmethod
     def of(cls, entries: Sequence[Entry], mode: str, bucket_mb: float,
-           process_group: dist.ProcessGroup | None) -> StepContext:
+           process_group: dist.ProcessGroup | None, exchange_dtype: str = "auto") -> StepContext:
         """The context of a step over ``entries``: ``mode`` (``auto`` is owner mode when distributed) and
         the device resolved once, from what every rank sees alike (:func:`~swan_dist.collectives.comm_device`)."""
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(process_group) == 1:
             return cls(1, process_group if dist.is_available() and dist.is_initialized() else None, None,
-                       "local", bucket_mb)
+                       "local", bucket_mb, exchange_dtype)
         devices = list(dict.fromkeys(e.piece.param.device for e in entries))
         current = {"cuda": torch.cuda.current_device()} if torch.cuda.is_available() else {}
         device = comm_device(str(dist.get_backend(process_group)), devices, current)
         return cls(dist.get_world_size(process_group), process_group, device,
-                   "owner" if mode == "auto" else mode, bucket_mb)
+                   "owner" if mode == "auto" else mode, bucket_mb, exchange_dtype)
 
 
 @dataclass
@@ -213,7 +215,7 @@ def _update(entries: list[Entry], key: tuple | None, ctx: StepContext, memo: Eng
         memo.swan = swan
     if not memo.swan:  # the agreed structure has no matrix: every rank returns here or none does
         return 0
-    plan = memo.plans.get(key, entries[:swan], ctx.mode, ctx.bucket_mb, ctx.group, ctx.device)
+    plan = memo.plans.get(key, entries[:swan], ctx.mode, ctx.bucket_mb, ctx.group, ctx.device, ctx.exchange_dtype)
     whitened, error = memo.plans.run(plan, entries[:swan], wanted, ctx.device, missed)
     late.error = late.error or error
     return whitened

@@ -4,8 +4,8 @@ the statuses and reports of steps settled later, and the plans the engine keeps 
 :class:`EngineSide` is a part of :class:`swan_dist.SWAN` (its base), kept apart so that each reads in one
 sitting: ``optimizer.py`` holds the ``torch.optim.Optimizer`` surface (groups, state dicts, ``step``), this
 module what a step hands to :func:`swan_dist.engine.run_step` and keeps from it. It reads the fields
-``SWAN.__init__`` sets: ``param_groups``, ``state``, ``process_group``, ``mode``, ``bucket_mb``, ``_origin``,
-``_packed``, ``_forms``, ``_collector``, ``_book``, ``_memos``.
+``SWAN.__init__`` sets: ``param_groups``, ``state``, ``process_group``, ``mode``, ``bucket_mb``,
+``exchange_dtype``, ``_origin``, ``_packed``, ``_forms``, ``_collector``, ``_book``, ``_memos``.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ class EngineSide:
         set); raises on every rank alike where a rank failed. The entries' gradients are let go of."""
         kept = self._memo(memo)
         try:
-            ctx = StepContext.of(entries, self.mode, self.bucket_mb, self.process_group)
+            ctx = StepContext.of(entries, self.mode, self.bucket_mb, self.process_group, self.exchange_dtype)
             result = run_step(entries, ctx, kept, self.param_groups, self.state, failure, defer)
         finally:
             self._collector.release(entries, everything=memo == "all" or (isinstance(memo, tuple) and memo[0] == "part"))

@@ -107,6 +107,10 @@ class SWAN(EngineSide, torch.optim.Optimizer):
             (every rank whitens every matrix: the paper's w/o MP) or ``local`` (each rank whitens what
             it holds; only for whole, replicated matrices).
         bucket_mb: bound, in MB of full fp32 matrices, of one exchange bucket (the owner's transient memory).
+        exchange_dtype: the dtype gradient and update pieces travel in between a matrix's holders and its owner
+            (W > 1, owner and replicated modes): ``auto`` (bf16 where the matrix is whitened in bf16, SWAN‡ on
+            GPUs: what a finer dtype carries is dropped by the owner; else the parameter's dtype), ``bf16``,
+            ``fp32`` or ``param`` (the parameter's dtype). Updates are applied in the parameter's dtype.
         process_group: the group the matrices are sharded/replicated over (default: world); with
             tensor parallelism, the whole TP x DP mesh.
         model: the ``nn.Module`` the parameters belong to, where ``params`` are bare tensors or param groups
@@ -136,14 +140,14 @@ class SWAN(EngineSide, torch.optim.Optimizer):
             steady step in one process can be captured in a CUDA graph and replayed (docs/optimizer.md,
             "Capturing the step"). The AdamW fallback then runs in foreach ops (torch's fused kernel takes
             betas, eps and weight decay as numbers), as torch's capturable AdamW does.
-    """
-
-    def __init__(
-        self,
         maximize: accepted as ``False`` only. Left out on purpose, as torch's ``Muon`` leaves it out: SWAN's
             update, and each fallback rule's, is exactly odd in the gradient, so ``(-loss).backward()``
             maximizes ``loss`` with the very updates a ``maximize=True`` would make, at no cost to every
             other step (docs/optimizer.md, "Maximizing").
+    """
+
+    def __init__(
+        self,
         params: Iterable[Any] | nn.Module,
         lr: float | None = None,
         preset: str | None = "swan_ddagger",
@@ -165,6 +169,7 @@ class SWAN(EngineSide, torch.optim.Optimizer):
         exclude: Sequence[str] | None = None,
         mode: str = "auto",
         bucket_mb: float = 256.0,
+        exchange_dtype: str = "auto",
         process_group: dist.ProcessGroup | None = None,
         strict: bool = False,
         verbose: bool = True,
@@ -172,13 +177,8 @@ class SWAN(EngineSide, torch.optim.Optimizer):
         step_in_backward: bool = False,
         model: nn.Module | None = None,
         capturable: bool = False,
-    ) -> None:
-        self.preset, defaults = resolve(preset, dict(
-            lr=lr, alpha=alpha, whitening=whitening, ns_steps=ns_steps, beta=beta, grad_norm=grad_norm,
-            whiten_dtype=whiten_dtype, weight_decay=weight_decay, fallback=fallback, betas=betas,
-            eps=eps, nonfinite=nonfinite, fallback_lr=fallback_lr, split_fused=split_fused), adamw_lr)
         maximize: bool = False,
-        if adamw_lr is not None and not isinstance(params, nn.Module):
+    ) -> None:
         if isinstance(params, Tensor):  # torch's Optimizer: a tensor is not an iterable of parameters
             raise TypeError("params argument given to the optimizer should be an iterable of Tensors or dicts, "
                             f"but got {torch.typename(params)}")
@@ -187,8 +187,14 @@ class SWAN(EngineSide, torch.optim.Optimizer):
                 "swan_dist: SWAN has no maximize=True: its update is odd in the gradient (GradNorm, whitening and "
                 "rescale, and each fallback rule, AdamW's included, turn a negated gradient into the exactly "
                 "negated update), so maximizing f is minimizing -f: call (-f).backward() and step as usual")
+        self.preset, defaults = resolve(preset, dict(
+            lr=lr, alpha=alpha, whitening=whitening, ns_steps=ns_steps, beta=beta, grad_norm=grad_norm,
+            whiten_dtype=whiten_dtype, weight_decay=weight_decay, fallback=fallback, betas=betas,
+            eps=eps, nonfinite=nonfinite, fallback_lr=fallback_lr, split_fused=split_fused), adamw_lr)
+        if adamw_lr is not None and not isinstance(params, nn.Module):
             params = adamw_group_decay(params)
-        check_engine(mode, bucket_mb, capturable)
+        check_engine(mode, bucket_mb, capturable, exchange_dtype)
+        self.exchange_dtype = exchange_dtype
         self.capturable = capturable  # each group's lr a 0-d tensor on its parameters' device
         self.mode, self.bucket_mb, self.process_group = mode, float(bucket_mb), process_group
         self._memos: dict[object, EngineMemo] = {}  # per set of entries stepped: agreement, hashes, plans
@@ -213,7 +219,7 @@ class SWAN(EngineSide, torch.optim.Optimizer):
     # torch's Optimizer pickles only defaults/state/param_groups; keep our settings too. The plan is
     # rebuilt on the next step; a process group cannot be copied (a copy uses the default group
     # until ``process_group`` is set again).
-    _PICKLED = ("preset", "mode", "bucket_mb", "_include", "_exclude", "_rows", "_origin", "_book", "_packed",
+    _PICKLED = ("preset", "mode", "bucket_mb", "exchange_dtype", "_include", "_exclude", "_rows", "_origin", "_book", "_packed",
                 "_forms", "capturable")
 
     def __getstate__(self) -> dict[str, Any]:
@@ -226,7 +232,7 @@ class SWAN(EngineSide, torch.optim.Optimizer):
         # unpickling: absent, so defaults; torch's load_state_dict also calls this: keep what is set
         for key, make in (("process_group", lambda: None), ("_memos", dict), ("_collector", Collector),
                           ("_forms", dict), ("_in_backward", lambda: None), ("_book", StepBook),
-                          ("capturable", lambda: False)):
+                          ("capturable", lambda: False), ("exchange_dtype", lambda: "auto")):
             if key not in self.__dict__:
                 self.__dict__[key] = make()
         origin = self.__dict__.get("_origin")

@@ -17,13 +17,14 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from .adapter import adapter_for
 from .collectives import gather_objects, pick
 from .exchange import Exchange
-from .functional import WhitenConfig, swan_update, whiten_flops
+from .functional import WhitenConfig, resolve_dtype, swan_update, whiten_flops
 from .layout import matrices_in, part_shapes, update_canonical
 from .plan import Matrix, Plan, build_plan
 from .records import Entry
 from .rules import Missed, Pending, apply_stack
 
-__all__ = ["whiten_local", "Plans", "explain", "swan_compute", "swan_cost", "swan_plan", "swan_exchange"]
+__all__ = ["whiten_local", "Plans", "explain", "swan_compute", "swan_cost", "swan_plan", "swan_exchange",
+           "exchange_dtypes", "EXCHANGE_DTYPES"]
 
 # Bounds on stacks and held updates; measurements behind them: docs/benchmarks.md, "Engine constants".
 _MAX_BATCH_BYTES = 256 << 20  # largest stack of same-shape gradients whitened in one call (accelerators)
@@ -54,6 +55,24 @@ def swan_exchange(plan: Plan, rank: int, group, device: torch.device, dtypes: Se
                   **options) -> Exchange:
     """:class:`~swan_dist.exchange.Exchange` running SWAN's computation (``options``: phases, stacks)."""
     return Exchange(plan, rank, group, device, dtypes, compute=swan_compute, **options)
+
+
+EXCHANGE_DTYPES = ("auto", "bf16", "fp32", "param")
+
+
+def exchange_dtypes(entries: Sequence[Entry], choice: str, device: torch.device) -> list[torch.dtype]:
+    """The dtype each matrix's gradient and update pieces travel in between its holders and its owner
+    (``SWAN(exchange_dtype=...)``): ``auto`` the whitening dtype where that is bf16 (SWAN‡ on GPUs: the
+    owner whitens in bf16, what a finer dtype would carry is dropped there), else the parameter's dtype;
+    ``bf16``, ``fp32``; ``param`` the parameter's dtype. Updates are applied in the parameter's dtype."""
+    if choice == "bf16":
+        return [torch.bfloat16] * len(entries)
+    if choice == "fp32":
+        return [torch.float32] * len(entries)
+    if choice == "param":
+        return [e.piece.param.dtype for e in entries]
+    return [torch.bfloat16 if resolve_dtype(e.record.cfg, device) == torch.bfloat16 else e.piece.param.dtype
+            for e in entries]
 
 
 def explain(failure: BaseException | None, bucket_mb: float) -> BaseException | None:
@@ -128,7 +147,7 @@ class Plans:
         self.built = 0  # plans built so far
 
     def get(self, key: tuple, entries: Sequence[Entry], mode: str, bucket_mb: float, group,
-            device: torch.device) -> Exchange:
+            device: torch.device, exchange_dtype: str = "auto") -> Exchange:
         plan = self.cache.get(key)
         if plan is not None and plan.device == device:
             return plan
@@ -136,7 +155,7 @@ class Plans:
         ranges = _every_ranks_ranges(entries, group)
         with unset_fake_temporarily():  # the planner's index tables: host data, real also in a fake step
             built = swan_plan(specs, ranges, mode, int(bucket_mb * 2**20))
-        plan = swan_exchange(built, dist.get_rank(group), group, device, [e.piece.param.dtype for e in entries],
+        plan = swan_exchange(built, dist.get_rank(group), group, device, exchange_dtypes(entries, exchange_dtype, device),
                              stack_bytes=_CPU_EXCHANGE_STACK_BYTES if device.type == "cpu" else None)
         if len(self.cache) >= 64:
             self.cache.clear()

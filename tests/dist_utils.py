@@ -15,6 +15,7 @@ import socket
 import tempfile
 import traceback
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -86,3 +87,39 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 180.0, raw: boo
     if any(res is None or res[0] == "error" for res in results):
         raise RankError(results)
     return [res[1] for res in results]
+
+
+# SWAN(exchange_dtype=...): the same run with each dtype the owner exchange can send, this rank's weights
+# and the bytes its exchange sent. Against the fp32 exchange, bf16 rounds each gradient piece and each
+# update piece to 2^-8 of its size; an update has RMS 1 (SWAN's rescale), so per step a weight moves by at
+# most lr * 2^-7 more than under fp32 (twice that rounding, through the whitening). "param" sends what the
+# parameters hold: equal, bit for bit, to fp32 on fp32 parameters.
+EXCHANGE_DTYPES = ("param", "fp32", "bf16")
+BF16_EXCHANGE_BOUND = 2 ** -7  # per step, in units of lr
+
+
+def exchange_dtype_runs(run):
+    """``{dtype: run(dtype)}`` for each of :data:`EXCHANGE_DTYPES`; ``run`` returns (this rank's weights as
+    ``{name: tensor}``, the bytes its exchange sent)."""
+    return {xd: run(xd) for xd in EXCHANGE_DTYPES}
+
+
+def check_exchange_dtypes(per_rank, lr: float, steps: int, fp32_params: bool = True) -> float:
+    """Every rank's :func:`exchange_dtype_runs`: bf16 within :data:`BF16_EXCHANGE_BOUND` of fp32 (and not
+    equal to it somewhere: it rounded), sending half the bytes; ``param`` equal to fp32 on fp32 parameters.
+    Returns the largest bf16 difference."""
+    worst = 0.0
+    for runs in per_rank:
+        (w32, b32), (w16, b16), (wp, bp) = runs["fp32"], runs["bf16"], runs["param"]
+        assert set(w16) == set(w32)
+        for n in w32:
+            assert w16[n].dtype == w32[n].dtype, n  # applied in the parameter's dtype
+            if w32[n].numel():
+                worst = max(worst, (w16[n].float() - w32[n].float()).abs().max().item())
+            if fp32_params:
+                assert torch.equal(wp[n], w32[n]), n
+        assert 2 * b16 == b32, (b16, b32)
+        if fp32_params:
+            assert bp == b32
+    assert 0 < worst <= steps * lr * BF16_EXCHANGE_BOUND, (worst, steps * lr * BF16_EXCHANGE_BOUND)
+    return worst

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from dist_utils import run_distributed
+from dist_utils import check_exchange_dtypes, exchange_dtype_runs, run_distributed
 from swan_dist import SWAN
 
 pytestmark = pytest.mark.timeout(300)
@@ -103,7 +103,21 @@ def _fsdp2_worker(rank, world, mode, hsdp=False):
         err = max((got[n] - p.detach()).abs().max().item() for n, p in ref.named_parameters())
         plan = None if opt.exchange is None else [b.owners for b in opt.exchange.plan.buckets]
         out.append((err, plan, opt.whitened_matrices))
+    if world in (2, 4) and mode == "auto":
+        out.append(exchange_dtype_runs(lambda xd: _fsdp2_exchange(world, hsdp, xd)))
     return out
+
+
+def _fsdp2_exchange(world, hsdp, exchange_dtype):
+    """This rank's weights after 3 steps with the owner exchange sending ``exchange_dtype``."""
+    torch.manual_seed(0)
+    model = Net()
+    _shard_fsdp2(model, world, hsdp)
+    opt = SWAN(model, verbose=False, bucket_mb=0.0001, exchange_dtype=exchange_dtype, **OPTS[0])
+    for t in range(3):
+        _set_grads(model, _global_grads(model, t))
+        opt.step()
+    return {n: p.to_local().detach().clone() for n, p in model.named_parameters()}, opt.exchange.bytes_sent
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
@@ -119,6 +133,8 @@ def test_fsdp2_equals_single_process(world):
             buckets = per_rank[0][1]
             assert len(buckets) >= -(-4 // world), buckets  # several where W < 4
             assert all(len(set(b.values())) == len(b) for b in buckets), buckets
+    if world in (2, 4):  # exchange_dtype: bf16 within its bound of fp32, half the bytes; "param" as fp32
+        check_exchange_dtypes([r[-1] for r in res], OPTS[0]["lr"], 3)
 
 
 def test_fsdp2_hsdp_2d_mesh_equals_single_process():
@@ -128,6 +144,10 @@ def test_fsdp2_hsdp_2d_mesh_equals_single_process():
         assert max(r[c][0] for r in res) < 2e-5
         assert all(r[c][1] == res[0][c][1] for r in res)
         assert sum(r[c][2] for r in res) == 3 * 4
+    check_exchange_dtypes([r[-1] for r in res], OPTS[0]["lr"], 3)
+    for rank, replica in ((0, 2), (1, 3)):  # an owner applies its update rounded as its replicas receive it
+        for n, w in res[rank][-1]["bf16"][0].items():
+            assert torch.equal(w, res[replica][-1]["bf16"][0][n]), n
 
 
 def test_fsdp2_replicated_mode_equals_owner_mode():

@@ -14,7 +14,13 @@ from ..layout import matrices_in, update_canonical
 from ..plan import Plan
 from .schedule import MAX_PHASES, PHASE_BYTES, Splits, Step, build_steps
 
-__all__ = ["Exchange", "Compute", "OnUpdate"]
+__all__ = ["Exchange", "Compute", "OnUpdate", "coarser"]
+
+def coarser(dtype: torch.dtype | None, than: torch.dtype) -> bool:
+    """Whether ``dtype`` (``None``: no dtype) keeps fewer significant bits than ``than``: a value of
+    ``than`` sent in it is rounded."""
+    return dtype is not None and dtype != than and torch.finfo(dtype).eps > torch.finfo(than).eps
+
 
 Compute = Callable[[Tensor, Hashable], tuple[Tensor, Tensor]]  # (stack, cfg) -> (updates, finite per matrix)
 OnUpdate = Callable[[int, Tensor, Tensor], None]  # (matrix, this rank's flat update piece, finite: 0-d bool)
@@ -25,7 +31,11 @@ class Exchange:
 
     ``grads[m]`` is this rank's flat gradient piece of matrix m (``hi - lo`` elements in the matrix's
     canonical order, on any device; ``None`` counts as zeros), ``skip`` the matrices nobody computes this
-    step (decided identically on every rank). ``compute(stack, cfg)`` maps a stack of same-shape full
+    step (decided identically on every rank). ``dtypes[m]`` is the dtype matrix m's gradient and update
+    pieces travel in (a phase whose matrices differ in it sends fp32); where it is coarser than a
+    gradient, the owner rounds what it holds to it too, and where it is coarser than the update, the
+    owner hands itself its pieces rounded as its peers receive them: every holder of an element applies
+    the same value and the update does not depend on which rank owns the matrix. ``compute(stack, cfg)`` maps a stack of same-shape full
     gradients to their updates and which of them are finite (it must not write into ``stack``, which may
     be a view of a local gradient). ``on_update(m, piece, finite)`` receives this rank's flat piece of each
     computed update, on ``device`` (the communication device), and whether the owner's update was finite;
@@ -166,10 +176,11 @@ class Exchange:
                 whitened += len(ms) * matrices_in(spec.shape, spec.split)
                 upd, ok = update_canonical(stack, [self.plan.specs[m].layout for m in ms], spec.shape, spec.split,
                                            lambda x: self.compute(x, spec.cfg))
+                rounded = st.moves.updates and coarser(st.dtype, upd.dtype)  # as its peers receive it
                 for m, u, finite in zip(ms, upd, ok.unbind(0)):
                     lo, hi = my[m]
                     if hi > lo:
-                        on_update(m, u[lo:hi], finite)
+                        on_update(m, u[lo:hi].to(st.dtype) if rounded else u[lo:hi], finite)
                     for lo, hi, off, flag in st.updates_out.get(m, ()):
                         send[off: off + hi - lo].copy_(u[lo:hi])
                         send[flag: flag + 1].copy_(finite.reshape(1))  # on the device: no host read
@@ -189,10 +200,11 @@ class Exchange:
         matrix alone that this rank holds whole, contiguous and in fp32: a view of its gradient."""
         numel = self.plan.specs[ms[0]].numel
         my = self._mine
+        sent = st.dtype if st.moves.grads else None  # peers' pieces arrive in it: this rank's rounded alike
         if len(ms) == 1:
             g = grads[ms[0]]
             if (g is not None and st.own[ms[0]] == [(0, numel)] and g.dtype == torch.float32
-                    and g.device == self.device and g.is_contiguous()):
+                    and not coarser(sent, g.dtype) and g.device == self.device and g.is_contiguous()):
                 return g.view(1, numel)
         stack = torch.empty(len(ms), numel, dtype=torch.float32, device=self.device)
         for row, m in zip(stack, ms):
@@ -200,6 +212,8 @@ class Exchange:
             for lo, hi in st.own[m]:
                 if g is None:
                     row[lo:hi].zero_()
+                elif coarser(sent, g.dtype):
+                    row[lo:hi].copy_(g[lo - base: hi - base].to(sent))
                 else:
                     row[lo:hi].copy_(g[lo - base: hi - base])
         return stack
