@@ -5,6 +5,7 @@ from .lr import from_adamw
 from .optimizer import FALLBACKS, SWAN, StepRecord
 from .presets import list_presets, load_preset
 from .selection import Rule, classify, param_groups, tag_model
+from .swap import swap
 from .switch import load_adamw_checkpoint, state_from_adamw
 
 from .integrations.deepspeed import register_type as _register_type
@@ -17,5 +18,5 @@ __version__ = "0.1.0"
 __all__ = [
     "SWAN", "FALLBACKS", "StepRecord", "WhitenConfig", "grad_norm", "whiten", "rescale", "swan_update",
     "load_preset", "list_presets", "param_groups", "tag_model", "classify", "Rule",
-    "SWANFactory", "state_from_adamw", "load_adamw_checkpoint", "from_adamw",
+    "SWANFactory", "state_from_adamw", "load_adamw_checkpoint", "from_adamw", "swap",
 ]

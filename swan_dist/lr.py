@@ -27,7 +27,7 @@ import math
 import numbers
 from typing import Any
 
-__all__ = ["from_adamw", "MATRIX_RATIO", "FALLBACK_RATIO", "WARN_BELOW"]
+__all__ = ["from_adamw", "weight_decay_from_adamw", "MATRIX_RATIO", "FALLBACK_RATIO", "WARN_BELOW"]
 
 MATRIX_RATIO = 0.2
 """The whitened matrices' lr (``lr * alpha``) over AdamW's lr η: torch's Muon ``match_rms_adamw`` update RMS."""
@@ -60,6 +60,12 @@ def _alpha(preset: str | None, alpha: float | None) -> float:
     return _number("alpha", options.get("alpha", BASE["alpha"]), positive=True)
 
 
+def weight_decay_from_adamw(weight_decay: float) -> float:
+    """SWAN's ``weight_decay`` for an AdamW's λ: ``λ / MATRIX_RATIO`` (5 λ), so the matrices, at ``lr * alpha =
+    0.2 η``, decay by AdamW's ``1 - η λ`` a step (docs/convergence.md, "The lr convention")."""
+    return _number("weight_decay (AdamW's)", weight_decay, positive=False) / MATRIX_RATIO
+
+
 def from_adamw(lr: float, betas: tuple[float, float] | None = None, weight_decay: float | None = None,
                eps: float | None = None, preset: str | None = "swan_ddagger", *,
                alpha: float | None = None) -> dict[str, Any]:
@@ -87,5 +93,5 @@ def from_adamw(lr: float, betas: tuple[float, float] | None = None, weight_decay
     if eps is not None:
         out["eps"] = eps
     if weight_decay is not None:
-        out["weight_decay"] = _number("weight_decay (AdamW's)", weight_decay, positive=False) / MATRIX_RATIO
+        out["weight_decay"] = weight_decay_from_adamw(weight_decay)
     return out

@@ -2,7 +2,8 @@
 ``param_names``, and the FQN-keyed one of ``get_optimizer_state_dict`` through ``set_optimizer_state_dict``)
 and ``swan_dist.load_adamw_checkpoint`` from a DCP checkpoint, in one process and under FSDP2 at W=2: the
 fallback parameters keep AdamW's moments, the matrices drop theirs, SWAN's hyper-parameters stay; the run
-equals SWAN started from those weights with those moments put in by hand, and the loss keeps falling."""
+equals SWAN started from those weights with those moments put in by hand, and the loss keeps falling.
+The same W=2 launch checks ``swan_dist.swap`` of a live AdamW under FSDP2 and under DDP."""
 
 import copy
 import logging
@@ -188,8 +189,12 @@ def _fsdp2_worker(rank, world, ckpt):
                 q.copy_(p)
         return m
 
-    by_ckpt, in_memory, by_sd, by_hand = copy_of(), copy_of(), copy_of(), copy_of()
+    by_ckpt, in_memory, by_sd, by_hand, swapped = copy_of(), copy_of(), copy_of(), copy_of(), copy_of()
     opts = {}
+    live = torch.optim.AdamW(swapped.parameters())  # a live AdamW at this point
+    live.load_state_dict(copy.deepcopy(adamw.state_dict()))
+    live.param_groups[0]["weight_decay"] = 0.0  # as "hand"'s SWAN(model)
+    opts["swap"] = swan_dist.swap(live, swapped, verbose=False)  # DTensor parameters and moments
     opts["ckpt"] = SWAN(by_ckpt, verbose=False)
     swan_dist.load_adamw_checkpoint(by_ckpt, opts["ckpt"], ckpt, key="optim")
     opts["memory"] = SWAN(in_memory, verbose=False)
@@ -198,17 +203,41 @@ def _fsdp2_worker(rank, world, ckpt):
     opts["sd"] = SWAN(by_sd, verbose=False)
     opts["sd"].load_state_dict(copy.deepcopy(adamw.state_dict()))  # torch's own, id-keyed: DTensor moments by position
     opts["hand"] = _by_hand(by_hand, model, adamw)
-    models = {"ckpt": by_ckpt, "memory": in_memory, "sd": by_sd, "hand": by_hand}
+    models = {"ckpt": by_ckpt, "memory": in_memory, "sd": by_sd, "hand": by_hand, "swap": swapped}
     losses = {k: _train(models[k], opts[k], batches[3:]) for k in models}
     full = {k: [p.full_tensor() for p in m.parameters()] for k, m in models.items()}
     states = {k: [len(opts[k].state.get(p) or {}) for g in opts[k].param_groups for p in g["params"]] for k in opts}
-    return before, losses, full, states
+    return before, losses, full, states, _ddp_swap(batches)
 
 
-def test_fsdp2_world_two_dcp_and_state_dicts_equal_moments_put_in_by_hand(tmp_path):
+def _ddp_swap(batches):
+    """swan_dist.swap of a live AdamW over a DDP model (in the same launch): equal to SWAN over a DDP replica
+    with the converted settings and AdamW's moments put in by hand."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    model = DDP(Toy())
+    adamw = torch.optim.AdamW(model.parameters(), lr=5e-3, betas=(0.8, 0.95), weight_decay=0.1)
+    _train(model, adamw, batches[:3])
+    twin = DDP(copy.deepcopy(model.module))
+    swan = swan_dist.swap(adamw, model, verbose=False)
+    hand = SWAN(twin, verbose=False, lr=0.02, betas=(0.8, 0.95), weight_decay=0.5)
+    names = dict(model.named_parameters())
+    for g in hand.param_groups:
+        if not g["use_swan"]:
+            for n, p in zip(g["param_names"], g["params"]):
+                hand.state[p] = {k: v.clone() for k, v in adamw.state[names[n]].items()}
+    losses = _train(model, swan, batches[3:])
+    same = losses == _train(twin, hand, batches[3:]) and all(
+        torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters()))
+    return same, len(swan.state), losses
+
+
+def test_fsdp2_world_two_dcp_state_dicts_and_swap_equal_moments_put_in_by_hand(tmp_path):
     res = run_distributed(_fsdp2_worker, 2, str(tmp_path / "ckpt"), timeout=180)
-    for before, losses, full, states in res:
-        for k in ("ckpt", "memory", "sd"):
+    for before, losses, full, states, ddp in res:
+        assert ddp[0] and ddp[1] == 8 and ddp[2][-1] < ddp[2][0], ddp  # DDP: swap equals SWAN by hand
+        for k in ("ckpt", "memory", "sd", "swap"):
             assert states[k] == states["hand"] == [0] * 4 + [3] * 8, (k, states[k])
             assert losses[k] == losses["hand"], k
             for a, b in zip(full[k], full["hand"]):
