@@ -98,6 +98,12 @@ EXCHANGE_DTYPES = ("param", "fp32", "bf16")
 BF16_EXCHANGE_BOUND = 2 ** -7  # per step, in units of lr
 
 
+def exchange_bytes(opt) -> int:
+    """The bytes ``opt``'s owner exchanges sent so far, over every set of entries it stepped (ZeRO-3 steps
+    its sub-groups apart)."""
+    return sum(ex.bytes_sent for memo in opt._memos.values() for ex in memo.plans.cache.values())
+
+
 def exchange_dtype_runs(run):
     """``{dtype: run(dtype)}`` for each of :data:`EXCHANGE_DTYPES`; ``run`` returns (this rank's weights as
     ``{name: tensor}``, the bytes its exchange sent)."""

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from dist_utils import run_distributed
+from dist_utils import check_exchange_dtypes, exchange_bytes, exchange_dtype_runs, run_distributed
 from swan_dist import SWAN
 from test_distributed_optimizer import Net
 
@@ -30,34 +30,43 @@ def _loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 def _ds_worker(rank, world, stage, gas, steps, params, bf16=False, offload=False, tag=True, zero_init=False,
-               masters=False):
+               masters=False, exchange=False):
     """``tag``: call swan_dist.tag_model first (else SWAN finds the engine's model itself);
     ``zero_init``: build the model under ``deepspeed.zero.Init`` (partitioned before the optimizer);
-    ``masters``: also return DeepSpeed's fp32 master weights, whole."""
+    ``masters``: also return DeepSpeed's fp32 master weights, whole; ``exchange``: also the weights and
+    bytes sent of the same run under each ``exchange_dtype`` (:func:`dist_utils.exchange_dtype_runs`)."""
     import contextlib
 
     import deepspeed
 
     import swan_dist
 
-    config = {
-        "train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": gas, "steps_per_print": 10**9,
-        "optimizer": {"type": "SWAN", "params": params}, "bf16": {"enabled": bf16},
-        "zero_optimization": {"stage": stage, **({"offload_optimizer": {"device": "cpu"}} if offload else {})},
-    }
-    torch.manual_seed(0)
-    with deepspeed.zero.Init(config_dict_or_path=config, dtype=torch.float32) if zero_init else contextlib.nullcontext():
-        model = Net()
-    if tag:
-        swan_dist.tag_model(model)  # DeepSpeed hands the optimizer bare parameters: keep module-type rules
-    engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
-    for t in range(steps):
-        for m in range(gas):
-            x = _batch(t, m, world)[rank * MICRO : (rank + 1) * MICRO]
-            engine.backward(_loss(engine, x))
-            engine.step()
-    swan = optimizer if isinstance(optimizer, SWAN) else optimizer.optimizer
+    def train(params):
+        config = {
+            "train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": gas, "steps_per_print": 10**9,
+            "optimizer": {"type": "SWAN", "params": params}, "bf16": {"enabled": bf16},
+            "zero_optimization": {"stage": stage, **({"offload_optimizer": {"device": "cpu"}} if offload else {})},
+        }
+        torch.manual_seed(0)
+        with deepspeed.zero.Init(config_dict_or_path=config, dtype=torch.float32) if zero_init else contextlib.nullcontext():
+            model = Net()
+        if tag:
+            swan_dist.tag_model(model)  # DeepSpeed hands the optimizer bare parameters: keep module-type rules
+        engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+        for t in range(steps):
+            for m in range(gas):
+                x = _batch(t, m, world)[rank * MICRO : (rank + 1) * MICRO]
+                engine.backward(_loss(engine, x))
+                engine.step()
+        return engine, optimizer, optimizer if isinstance(optimizer, SWAN) else optimizer.optimizer
+
+    engine, optimizer, swan = train(params)
     out = (_full_weights(engine), swan.whitened_matrices, type(optimizer).__name__, swan.summary())
+    if exchange:
+        def run(xd):
+            engine, _, swan = train({**params, "exchange_dtype": xd})
+            return _full_weights(engine), exchange_bytes(swan)
+        out = (*out, exchange_dtype_runs(run))
     return (*out, _fp32_masters(engine, optimizer)) if masters else out
 
 
@@ -98,12 +107,16 @@ def _reference(world, gas, steps, params=PARAMS):
 @pytest.mark.parametrize("stage,gas", [(0, 1), (0, 4), (1, 1), (1, 4), (2, 1), (2, 4), (3, 1), (3, 4)])
 def test_zero_stage_equals_single_process(stage, gas):
     steps = 3
-    res = run_distributed(_ds_worker, 2, stage, gas, steps, PARAMS, timeout=380)
+    exchange = (stage, gas) == (3, 1)
+    res = run_distributed(_ds_worker, 2, stage, gas, steps, PARAMS, False, False, True, False, False, exchange,
+                          timeout=380)
     ref = _reference(2, gas, steps)
     for weights, *_ in res:
         for n, v in ref.items():
             assert torch.allclose(weights[n], v, atol=1e-5), (stage, n, (weights[n] - v).abs().max())
     assert sum(r[1] for r in res) == steps * 4  # each matrix whitened once per optimizer step
+    if exchange:  # exchange_dtype: bf16 within its bound of fp32, half the bytes; "param" as fp32
+        check_exchange_dtypes([r[4] for r in res], PARAMS["lr"], steps)
     if stage:
         assert res[0][2] == ("DeepSpeedZeroOptimizer_Stage3" if stage == 3 else "DeepSpeedZeroOptimizer")
 
@@ -166,29 +179,37 @@ def test_json_errors_name_the_bad_key():
     assert bad[0][0] == "error" and "momentum" in bad[0][3]
 
 
-def _lr_worker(rank, world, params):
-    """The (use_swan, lr, alpha, weight_decay) of each param group of SWAN as DeepSpeed builds it from ``params``."""
+def _lr_worker(rank, world, *configs):
+    """The (use_swan, lr, alpha, weight_decay, betas, eps) of each param group of SWAN as DeepSpeed builds it from
+    each of ``configs`` (the ``"params"``)."""
     import deepspeed
 
     import swan_dist  # noqa: F401 - registers "SWAN"
 
-    config = {"train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 10**9, "zero_optimization": {"stage": 1},
-              "optimizer": {"type": "SWAN", "params": params}}
-    torch.manual_seed(0)
-    model = Net()
-    _, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
-    swan = optimizer if isinstance(optimizer, SWAN) else optimizer.optimizer
-    return [(g["use_swan"], g["lr"], g["alpha"], g["weight_decay"]) for g in swan.param_groups]
+    out = []
+    for params in configs:
+        config = {"train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 10**9, "zero_optimization": {"stage": 1},
+                  "optimizer": {"type": "SWAN", "params": params}}
+        torch.manual_seed(0)
+        model = Net()
+        _, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+        swan = optimizer if isinstance(optimizer, SWAN) else optimizer.optimizer
+        out.append([(g["use_swan"], g["lr"], g["alpha"], g["weight_decay"], g["betas"], g["eps"])
+                    for g in swan.param_groups])
+    return out
 
 
 def test_adamw_lr_in_the_json_resolves_as_swan_does():
     """``"adamw_lr": eta`` in the JSON (with AdamW's weight decay) gives SWAN(adamw_lr=eta)'s matrix and fallback lr
-    (0.2 eta, 4 eta) and weight decay (5x); ``"lr"`` stays SWAN's own lr."""
+    (0.2 eta, 4 eta) and weight decay (5x); ``"lr"`` stays SWAN's own lr. With ``adamw_lr`` alone, betas, eps and
+    weight decay are DeepSpeed's AdamW defaults (not torch's)."""
     eta, wd = 3e-4, 0.1
-    groups = run_distributed(_lr_worker, 1, {"preset": "swan_ddagger", "adamw_lr": eta, "weight_decay": wd},
-                             timeout=200)[0]
+    groups, defaults = run_distributed(_lr_worker, 1, {"preset": "swan_ddagger", "adamw_lr": eta, "weight_decay": wd},
+                                       {"adamw_lr": eta}, timeout=200)[0]
+    # nothing but adamw_lr: DeepSpeed's AdamW defaults (FusedAdam's: (0.9, 0.999), 1e-8, no weight decay)
+    assert [(b, e, w) for *_, w, b, e in defaults] == [((0.9, 0.999), 1e-8, 0.0)] * 2, defaults
     plain = SWAN(Net(), adamw_lr=eta, weight_decay=wd, verbose=False)
-    resolved = sorted((u, lr * a, lr, w) for u, lr, a, w in groups)  # fallback first: (matrix lr, lr, decay)
+    resolved = sorted((u, lr * a, lr, w) for u, lr, a, w, _, _ in groups)  # fallback first: (matrix lr, lr, decay)
     expected = sorted((g["use_swan"], g["lr"] * g["alpha"], g["lr"], g["weight_decay"]) for g in plain.param_groups)
     assert len(resolved) == len(expected) and all(
         r[0] == e[0] and r[1:] == pytest.approx(e[1:]) for r, e in zip(resolved, expected)), (resolved, expected)

@@ -113,7 +113,9 @@ def _exchange_worker(rank, world, cases):
         gathered = [None] * world
         dist.all_gather_object(gathered, ranges[rank])
         plan = swan_plan(specs, gathered, mode, bucket_bytes)
-        ex = swan_exchange(plan, rank, None, torch.device("cpu"), [torch.float32] * len(specs), **opts)
+        opts = dict(opts)
+        sent = opts.pop("dtype", torch.float32)  # the dtype the pieces travel in
+        ex = swan_exchange(plan, rank, None, torch.device("cpu"), [sent] * len(specs), **opts)
         calls = []
         a2a = dist.all_to_all_single
         dist.all_to_all_single = lambda *a, **k: calls.append(a[0].numel()) or a2a(*a, **k)
@@ -125,7 +127,8 @@ def _exchange_worker(rank, world, cases):
         got = {}
 
         def keep(m, u, finite):
-            got[m] = u.clone() if finite else torch.full_like(u, float("nan"))
+            assert u.dtype == (sent if ex.steps[0].moves.updates else torch.float32), u.dtype
+            got[m] = u.float() if finite else torch.full_like(u, float("nan"), dtype=torch.float32)
 
         try:
             ex.run(grads, set(skip), keep)
@@ -158,7 +161,10 @@ CASES = [
     # goes back; in replicated mode nothing moves and no collective is issued, one phase per bucket
     ("owner", "whole", 1 << 30, dict(phase_bytes=100), (), ()),
     ("replicated", "whole", 1 << 30, dict(phase_bytes=100), (), ()),
+    # gradient and update pieces sent in bf16: within bf16's rounding of the fp32 update (below)
+    ("owner", "random", 200, dict(dtype=torch.bfloat16), (1,), (0,)),
 ]
+BF16_UPDATE = 2 ** -6  # an update (RMS 1) from gradients and sent back in bf16 (2^-8 each way), against fp32
 
 
 @pytest.mark.timeout(300)
@@ -171,7 +177,10 @@ def test_exchange_matches_single_process_swan(world):
     res = run_distributed(_exchange_worker, world, CASES)
     for c, case in enumerate(CASES):
         per_rank = [r[c] for r in res]
-        assert max(r[0] for r in per_rank) < 1e-5, (case, per_rank)
+        bf16 = case[3].get("dtype") == torch.bfloat16
+        assert max(r[0] for r in per_rank) < (BF16_UPDATE if bf16 else 1e-5), (case, per_rank)
+        if bf16:
+            assert max(r[0] for r in per_rank) > 1e-5, per_rank  # it rounded
         assert all(r[1] == per_rank[0][1] for r in per_rank), case
         assert all(r[3] == per_rank[0][3] for r in per_rank), case  # the same phases everywhere
         if case[2] < 1000:
@@ -183,3 +192,16 @@ def test_exchange_matches_single_process_swan(world):
             assert per_rank[0][3] > per_rank[0][2], case
         if case[:2] == ("owner", "whole"):
             assert per_rank[0][4] == per_rank[0][3], (case, per_rank[0])  # one (backward) per phase
+
+
+def test_transient_bound_follows_the_exchange_dtype():
+    """The buffers a step adds are the bytes sent and received: half under a bf16 exchange; the fp32
+    stacks and the whitening workspace do not change."""
+    specs = _specs()
+    ranges = [[_row_shards(s.shape, 4)[r] for s in specs] for r in range(4)]
+    plan = swan_plan(specs, ranges, "owner", 1 << 30)
+    fp32, bf16 = (swan_exchange(plan, 0, None, torch.device("cpu"), [d] * len(specs)).transient_bound()
+                  for d in (torch.float32, torch.bfloat16))
+    assert fp32["grad_buffers"] > 0 and fp32["update_buffers"] > 0, fp32
+    assert 2 * bf16["grad_buffers"] == fp32["grad_buffers"] and 2 * bf16["update_buffers"] == fp32["update_buffers"]
+    assert bf16["matrices"] == fp32["matrices"] and bf16["workspace"] == fp32["workspace"]

@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from dist_utils import run_distributed
+from dist_utils import check_exchange_dtypes, exchange_bytes, exchange_dtype_runs, run_distributed
 from swan_dist import SWAN
 from swan_dist.selection import clean_name
 from test_distributed_optimizer import Net, _global_grads, _reference
@@ -114,7 +114,19 @@ def _equal_worker(rank, world):
         SWAN(_wrap(False).parameters(), verbose=False)
     except ValueError as e:
         out["unmapped"] = str(e)
+    if world == 2:
+        out["exchange"] = exchange_dtype_runs(_exchange_run)
     return out
+
+
+def _exchange_run(exchange_dtype):
+    """This rank's FlatParameter shards after 3 steps with the owner exchange sending ``exchange_dtype``."""
+    model = _wrap(False)
+    opt = SWAN(model, verbose=False, bucket_mb=0.0001, exchange_dtype=exchange_dtype, **ADAMW)
+    for t in range(3):
+        _set_grads(model, _global_grads(Net(), t))
+        opt.step()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}, exchange_bytes(opt)
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
@@ -142,6 +154,8 @@ def test_fsdp1_equals_single_process(world):
     assert "4 matrices whitened by SWAN, 4 tensors on the fallback" in summary and "SWAN group: nsds" in summary
     assert "_flat_param" not in summary and "up.weight" in summary
     assert all("tag_model" in r["unmapped"] for r in res)
+    if world == 2:  # exchange_dtype: bf16 within its bound of fp32, half the bytes; "param" as fp32
+        check_exchange_dtypes([r["exchange"] for r in res], ADAMW["lr"], 3)
 
 
 # ---------------------------------------------------------------------------------------- nonfinite

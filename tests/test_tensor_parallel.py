@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from dist_utils import run_distributed
+from dist_utils import check_exchange_dtypes, exchange_bytes, exchange_dtype_runs, run_distributed
 from swan_dist import SWAN
 from swan_dist.reference.model import Llama, LlamaConfig
 
@@ -142,7 +142,20 @@ def _tp_worker(rank, world, dp, ckpt=None):
     refused = _refused_worker_part(world) if dp == 1 else None
     plan = [b.owners for b in opt.exchange.plan.buckets]
     return dict(err=err, moved=moved, real=real, whitened=opt.whitened_matrices, plan=plan,
-                placements=_placements(model), refused=refused, summary=opt.summary())
+                placements=_placements(model), refused=refused, summary=opt.summary(),
+                exchange=exchange_dtype_runs(lambda xd: _exchange_run(world, dp, xd)) if dp == 1 else None)
+
+
+def _exchange_run(world, dp, exchange_dtype):
+    """This rank's weights after STEPS steps with the owner exchange sending ``exchange_dtype``."""
+    model = _model()
+    _parallelize(model, world, dp)
+    opt = SWAN(model, verbose=False, bucket_mb=0.0005, exchange_dtype=exchange_dtype, **OPTS)
+    for t in range(STEPS):
+        _set_grads(model, _grads(model, t))
+        opt.step()
+    return ({n: getattr(p, "_local_tensor", p).detach().clone() for n, p in model.named_parameters()},
+            exchange_bytes(opt))
 
 
 def test_tensor_parallel_w2_equals_single_process():
@@ -159,6 +172,7 @@ def test_tensor_parallel_w2_equals_single_process():
         partial, strided = r["refused"]
         assert "'proj.weight'" in partial and "Partial" in partial, partial
         assert "'proj.weight'" in strided and "_StridedShard" in strided, strided
+    check_exchange_dtypes([r["exchange"] for r in res], OPTS["lr"], STEPS)  # bf16 within its bound of fp32
 
 
 def test_fsdp2_plus_tp_2x2_equals_single_process_and_dcp_resumes_on_another_mesh(tmp_path):
