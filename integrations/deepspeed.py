@@ -28,6 +28,7 @@ the lr convention (:func:`swan_dist.from_adamw`), ``"learning_rate"`` under the 
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -49,6 +50,18 @@ def register_type(cls: type) -> None:
     """Make ``"type": "SWAN"`` resolve (DeepSpeed looks the name up in ``torch.optim``)."""
     if getattr(torch.optim, cls.__name__, None) is not cls:
         setattr(torch.optim, cls.__name__, cls)
+
+
+def deepspeed_adamw_defaults() -> dict[str, Any]:
+    """``betas``, ``eps`` and ``weight_decay`` of the AdamW a DeepSpeed JSON's ``"type": "AdamW"`` builds without
+    them (``FusedAdam``; ``DeepSpeedCPUAdam`` under offload has the same: (0.9, 0.999), 1e-8, 0 in 0.19), read
+    from its signature."""
+    import inspect
+
+    from deepspeed.ops.adam import FusedAdam
+
+    params = inspect.signature(FusedAdam.__init__).parameters
+    return {k: params[k].default for k in ("betas", "eps", "weight_decay")}
 
 
 def allow_in_zero(cls: type) -> None:

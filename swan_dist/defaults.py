@@ -14,7 +14,7 @@ from .presets import OPTIMIZER_KEYS, load_preset
 from .rules import check_group
 from .whitening import EXCHANGE_DTYPES
 
-__all__ = ["BASE", "resolve", "check_engine", "adamw_group_decay", "pair", "rank0"]
+__all__ = ["BASE", "resolve", "check_engine", "adamw_group_decay", "adamw_defaults", "pair", "rank0"]
 
 # Hyper-parameters with a meaning independent of any preset. lr has no default without a preset.
 BASE = dict(
@@ -67,9 +67,25 @@ def _from_adamw_lr(preset: str | None, explicit: dict[str, Any], adamw_lr: float
                              "that builds this optimizer (in a DeepSpeed JSON under the Trainer: \"adamw_lr\": "
                              "\"learning_rate\"); none does here: give adamw_lr as a number")
         adamw_lr = args.learning_rate
-    conv = from_adamw(adamw_lr, weight_decay=explicit.get("weight_decay"), preset=preset, alpha=explicit.get("alpha"))
+    framework = adamw_defaults()
+    given = {k: framework[k] if explicit.get(k) is None else explicit[k] for k in ("betas", "eps", "weight_decay")}
+    conv = from_adamw(adamw_lr, **given, preset=preset, alpha=explicit.get("alpha"))
     return {"lr": conv["lr"], "fallback_lr": conv.get("fallback_lr"),
-            **({"weight_decay": conv["weight_decay"]} if "weight_decay" in conv else {})}
+            **{k: conv[k] for k in ("betas", "eps", "weight_decay")}}
+
+
+def adamw_defaults() -> dict[str, Any]:
+    """``betas``, ``eps`` and ``weight_decay``: the AdamW defaults ``adamw_lr=`` takes where the caller gave
+    none, those of the framework building this SWAN: the transformers Trainer's arguments (``adam_beta1/2``,
+    ``adam_epsilon``, ``weight_decay``), DeepSpeed's AdamW (its JSON ``"type": "AdamW"``), else torch's AdamW."""
+    from .integrations.deepspeed import deepspeed_adamw_defaults, engine_module
+    from .integrations.huggingface import trainer_args
+    from .lr import torch_adamw_defaults
+
+    args = trainer_args()
+    if args is not None:
+        return {"betas": (args.adam_beta1, args.adam_beta2), "eps": args.adam_epsilon, "weight_decay": args.weight_decay}
+    return deepspeed_adamw_defaults() if engine_module() is not None else torch_adamw_defaults()
 
 
 def check_engine(mode: str, bucket_mb: Any, capturable: Any, exchange_dtype: Any = "auto") -> None:

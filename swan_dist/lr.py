@@ -27,7 +27,7 @@ import math
 import numbers
 from typing import Any
 
-__all__ = ["from_adamw", "weight_decay_from_adamw", "MATRIX_RATIO", "FALLBACK_RATIO", "WARN_BELOW"]
+__all__ = ["from_adamw", "weight_decay_from_adamw", "torch_adamw_defaults", "MATRIX_RATIO", "FALLBACK_RATIO", "WARN_BELOW"]
 
 MATRIX_RATIO = 0.2
 """The whitened matrices' lr (``lr * alpha``) over AdamW's lr η: torch's Muon ``match_rms_adamw`` update RMS."""
@@ -75,9 +75,10 @@ def from_adamw(lr: float, betas: tuple[float, float] | None = None, weight_decay
 
     ``preset`` (and ``alpha``, if given, over the preset's) decide alpha; the result names the preset, so
     ``swan_dist.SWAN(model, **from_adamw(3e-4))`` is SWAN‡ with ``lr`` 1.2e-3 (matrices at 6e-5). ``betas``,
-    ``weight_decay``, ``eps`` left ``None`` are left out (SWAN's own: (0.9, 0.999) and 1e-8, as torch's AdamW;
-    the preset's weight decay, 0; torch's AdamW defaults to weight_decay 0.01: pass it if yours used it).
-    ``SWAN(model, adamw_lr=η, ...)`` does the same inside the constructor."""
+    ``weight_decay``, ``eps`` left ``None`` are torch's AdamW defaults ((0.9, 0.999), 1e-8 and 0.01, converted:
+    0.05): the result always carries all three. ``SWAN(model, adamw_lr=η, ...)`` does the same inside the
+    constructor, where a framework building SWAN gives its own AdamW's defaults instead
+    (:func:`swan_dist.defaults.adamw_defaults`)."""
     eta = _number("adamw_lr (AdamW's lr)", lr, positive=True)
     a = _alpha(preset, alpha)
     out: dict[str, Any] = {"preset": preset}
@@ -88,10 +89,20 @@ def from_adamw(lr: float, betas: tuple[float, float] | None = None, weight_decay
         out["lr"] = fallback  # tied: the fallback runs at lr itself
     else:
         out["lr"], out["fallback_lr"] = swan_lr, fallback
-    if betas is not None:
-        out["betas"] = tuple(betas) if isinstance(betas, list) else betas
-    if eps is not None:
-        out["eps"] = eps
-    if weight_decay is not None:
-        out["weight_decay"] = weight_decay_from_adamw(weight_decay)
+    torch_adamw = torch_adamw_defaults()
+    betas = torch_adamw["betas"] if betas is None else betas
+    out["betas"] = tuple(betas) if isinstance(betas, list) else betas
+    out["eps"] = torch_adamw["eps"] if eps is None else eps
+    out["weight_decay"] = weight_decay_from_adamw(torch_adamw["weight_decay"] if weight_decay is None else weight_decay)
     return out
+
+
+def torch_adamw_defaults() -> dict[str, Any]:
+    """``betas``, ``eps`` and ``weight_decay`` of ``torch.optim.AdamW()`` (torch 2.x: (0.9, 0.999), 1e-8, 0.01),
+    read from its signature."""
+    import inspect
+
+    import torch
+
+    params = inspect.signature(torch.optim.AdamW.__init__).parameters
+    return {k: params[k].default for k in ("betas", "eps", "weight_decay")}

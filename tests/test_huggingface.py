@@ -366,7 +366,10 @@ def test_trainer_learning_rate_as_adamw_lr_resolves_as_swan_does(tmp_path):
     factory = built(swan_dist.SWANFactory, {"adamw_lr": "auto"})
     assert lrs(factory) == pytest.approx(lrs(plain))
     assert all(g["weight_decay"] == pytest.approx(5 * wd) and g["betas"] == (0.9, 0.95) for g in factory.param_groups)
-    assert lrs(built(swan_dist.SWANFactory, {"adamw_lr": eta})) == pytest.approx(lrs(plain))
+    numeric = built(swan_dist.SWANFactory, {"adamw_lr": eta})  # the Trainer's betas, eps, weight decay too
+    assert lrs(numeric) == pytest.approx(lrs(plain))
+    assert all(g["weight_decay"] == pytest.approx(5 * wd) and g["betas"] == (0.9, 0.95) for g in numeric.param_groups)
     bare = built(swan_dist.SWAN, {"adamw_lr": "auto"})  # the Trainer's decay groups: AdamW's weight decay, converted
     assert lrs(bare) == pytest.approx(lrs(plain))
     assert sorted({round(g["weight_decay"], 9) for g in bare.param_groups}) == [0.0, 5 * wd]
+    assert all(g["betas"] == (0.9, 0.95) and g["eps"] == 1e-8 for g in bare.param_groups)

@@ -302,8 +302,8 @@ def _from_adamw_worker(rank, world, eta, wd):
         out = {}
         for adamw in (True, False):
             chunks, _ = H.build_gpt(1, use_distributed_optimizer=True)
-            opt = get_swan_optimizer(OptimizerConfig(lr=eta, min_lr=eta / 10, weight_decay=wd,
-                                                     use_distributed_optimizer=True), chunks,
+            opt = get_swan_optimizer(OptimizerConfig(lr=eta, min_lr=eta / 10, weight_decay=wd, adam_beta2=0.95,
+                                                     adam_eps=1e-10, use_distributed_optimizer=True), chunks,
                                      swan={"from_adamw": adamw, "verbose": False})
             sched = OptimizerParamScheduler(opt, init_lr=0.0, max_lr=eta, min_lr=eta / 10, lr_warmup_steps=0,
                                             lr_decay_steps=4, lr_decay_style="cosine", start_wd=wd, end_wd=wd,
@@ -315,6 +315,7 @@ def _from_adamw_worker(rank, world, eta, wd):
                                     for g in swan.param_groups if g["params"] and g["wd_mult"] > 0}))
                 sched.step(4)
             out[adamw] = rows
+            out["betas", adamw] = {(g["betas"], g["eps"]) for g in swan.param_groups}  # --adam-beta1/2, --adam-eps
         chunks, _ = H.build_gpt(1, use_distributed_optimizer=True)
         try:
             get_swan_optimizer(OptimizerConfig(lr=eta, use_distributed_optimizer=True), chunks,
@@ -331,7 +332,8 @@ def test_from_adamw_converts_megatrons_lr_schedule_and_weight_decay():
     """``swan={"from_adamw": True}`` (Megatron-LM: ``--swan-from-adamw``): ``config.lr`` (``--lr``), ``min_lr`` and
     ``weight_decay`` are AdamW's; Megatron's scheduler then writes SWAN(adamw_lr=eta)'s matrix and fallback lr into
     the groups (0.2 eta and 4 eta at max_lr, a tenth at min_lr) and 5x the weight decay. Without it ``--lr`` is
-    SWAN's own lr. SWAN-0 (alpha 1: the fallback apart) is refused, naming the flag."""
+    SWAN's own lr. Both take Megatron's betas and eps (``--adam-beta1/2``, ``--adam-eps``). SWAN-0 (alpha 1: the
+    fallback apart) is refused, naming the flag."""
     from swan_dist.integrations.megatron_lm import add_arguments
 
     eta, wd = 3e-4, 0.1
@@ -343,6 +345,7 @@ def test_from_adamw_converts_megatrons_lr_schedule_and_weight_decay():
     for converted, own in zip(out[True], out[False]):  # SWAN's own --lr: 4x lower lrs, the decay as given
         assert [lr / 4 for _, lr, _ in converted] == pytest.approx([lr for _, lr, _ in own])
         assert [w for _, _, w in own] == pytest.approx([wd, wd])
+    assert out["betas", True] == out["betas", False] == {((0.9, 0.95), 1e-10)}, out
     assert "--swan-from-adamw" in out["swan_0"] and "fallback" in out["swan_0"], out["swan_0"]
     import argparse
 

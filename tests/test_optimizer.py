@@ -459,7 +459,8 @@ def test_from_adamw_gives_the_lr_convention():
     assert swan_dist.from_adamw(eta, preset="swan_dagger")["lr"] == pytest.approx(4 * eta)
     zero = swan_dist.from_adamw(eta, preset="swan_0")  # alpha 1: the fallback set apart
     assert zero["lr"] == pytest.approx(0.2 * eta) and zero["fallback_lr"] == pytest.approx(4 * eta)
-    assert swan_dist.from_adamw(eta) == {"preset": "swan_ddagger", "lr": pytest.approx(4 * eta)}
+    assert swan_dist.from_adamw(eta) == {"preset": "swan_ddagger", "lr": pytest.approx(4 * eta), "betas": (0.9, 0.999),
+                                         "eps": 1e-8, "weight_decay": pytest.approx(0.05)}  # torch's AdamW defaults
     for bad, err in ((0.0, ValueError), (float("inf"), ValueError), ("3e-4", TypeError)):
         with pytest.raises(err, match="adamw_lr"):
             swan_dist.from_adamw(bad)
@@ -477,6 +478,24 @@ def test_adamw_lr_resolves_like_from_adamw_and_conflicts_name_both_keys():
             SWAN(Toy(), adamw_lr=eta, verbose=False, **{key: 0.01})
     with pytest.raises(ValueError, match="adamw_lr='auto'.*Trainer.*learning_rate"):
         SWAN(Toy(), adamw_lr="auto", verbose=False)
+
+
+def test_adamw_lr_alone_takes_torchs_adamw_defaults_and_groups_keep_their_decay():
+    """``SWAN(model, adamw_lr=eta)`` with no betas, eps or weight decay takes torch's AdamW's ((0.9, 0.999), 1e-8,
+    0.01 converted to 0.05), not the preset's (weight decay 0); a no-decay group stays at 0."""
+    adamw = torch.optim.AdamW([nn.Parameter(torch.zeros(1))])
+    torch_defaults = {k: adamw.defaults[k] for k in ("betas", "eps", "weight_decay")}
+    for preset in ("swan_ddagger", "swan_0"):
+        opt = SWAN(Toy(), adamw_lr=3e-4, preset=preset, verbose=False)
+        for g in opt.param_groups:
+            assert g["betas"] == torch_defaults["betas"] and g["eps"] == torch_defaults["eps"], preset
+            assert g["weight_decay"] == pytest.approx(5 * torch_defaults["weight_decay"]), preset
+    model = Toy()
+    named = list(model.named_parameters())
+    opt = SWAN([{"params": [p for _, p in named if p.ndim == 2]}, {"params": [p for _, p in named if p.ndim < 2],
+                "weight_decay": 0.0}], adamw_lr=3e-4, betas=(0.9, 0.95), model=model, verbose=False)
+    assert sorted(round(g["weight_decay"], 9) for g in opt.param_groups) == [0.0, 0.05, 0.05]
+    assert all(g["betas"] == (0.9, 0.95) for g in opt.param_groups)
 
 
 def test_an_adamw_sized_lr_warns_once_naming_the_fix():
