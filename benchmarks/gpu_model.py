@@ -23,12 +23,13 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from swan_dist.functional import WhitenConfig
 from swan_dist.plan import MatrixSpec
-from swan_dist.whitening import swan_cost, swan_plan
+from swan_dist.whitening import exchange_dtype_of, swan_cost, swan_plan
 
 from _report import write_section  # noqa: E402 (benchmarks/ is the script's folder)
 from scale import Layout, MODELS, llama, measure  # noqa: E402
 
 NS10 = WhitenConfig(method="ns", steps=10, beta=0.8)  # SWAN†'s whitening
+CUDA = torch.device("cuda")  # where the owners whiten (only its type is read: no GPU is needed)
 
 # ------------------------------------------------------------------ inputs (value, source)
 INPUTS = {
@@ -87,7 +88,8 @@ def paper_check() -> Paper:
         plan = swan_plan(specs, [[(0, s.numel) for s in specs]] * 8)  # DDP: every rank holds every gradient
         totals[name], slowest[name] = sum(plan.costs), plan.slowest()
         owned = max(sum(specs[m].numel for b in plan.buckets for m, o in b.owners.items() if o == r) for r in range(8))
-        sent[name] = owned * 7 * 2  # its matrices' updates, in the parameters' dtype (bf16 here), to the 7 others
+        # its matrices' updates to the 7 others, in the dtype the engine sends them in (bf16 parameters here)
+        sent[name] = owned * 7 * exchange_dtype_of("auto", cfg, torch.bfloat16, CUDA).itemsize
     t_swan = V["paper batch (tokens)"] / PAPER["SWAN‡ w/o MP"]
     rate = totals["‡"] / (t_swan - t_adam + adam - fallback)
     rows = []
@@ -110,19 +112,24 @@ class Cluster:
     owner: float
     owner_whiten: float
     owner_comm: float
+    owner_comm_fp32: float  # the exchange with fp32 pieces (exchange_dtype="param" on fp32 shards)
     replicated: float
 
 
-def cluster_rows(rate_fraction: float, worlds: tuple[int, ...]) -> list[Cluster]:
-    """FSDP row shards over all W GPUs (H100), NSDS, bucket_mb=256, a 4M-token global batch."""
+def cluster_rows(rate_fraction: float, worlds: tuple[int, ...], exchange: str = "auto") -> list[Cluster]:
+    """FSDP row shards over all W GPUs (H100), NSDS, bucket_mb=256, a 4M-token global batch; FSDP2 mixed
+    precision (fp32 shards and gradients), the exchange sending what ``SWAN(exchange_dtype=exchange)``
+    sends there (``auto``: bf16, SWAN‡ whitening in bf16 on GPUs)."""
     rate = rate_fraction * V["H100 bf16 peak"]
     hbm, out = V["H100 HBM"], []
+    sent = exchange_dtype_of(exchange, WhitenConfig(), torch.float32, CUDA)
     for world in worlds:
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
         try:
             for model, params, vocab_dim in (("LLaMA-7B", 6.74e9, 32000 * 4096), ("LLaMA-70B", 69.0e9, 32000 * 8192)):
                 specs = MODELS[model]()
-                row = measure(model, specs, world, Layout("FSDP", world, world), dist.group.WORLD, 256 << 20)
+                row = measure(model, specs, world, Layout("FSDP", world, world), dist.group.WORLD, 256 << 20,
+                              sent, torch.float32)
                 nvlink = V["H100 NVLink, one direction"] * V["link efficiency"]
                 ib = V["InfiniBand per GPU, one direction"] * V["link efficiency"]
                 remote = 0.0 if world <= 8 else 1 - 7 / (world - 1)  # share of peers on other nodes
@@ -134,12 +141,14 @@ def cluster_rows(rate_fraction: float, worlds: tuple[int, ...]) -> list[Cluster]
                 fallback = adamw_s(2 * vocab_dim / world, hbm)
                 owner_whiten = row.slowest / rate
                 owner_comm = move(row.sent) + latency
-                matrix_bytes = 2 * sum(s.numel for s in specs)  # bf16
+                owner_comm_fp32 = move(row.sent * 4 / sent.itemsize) + latency  # bytes scale with the dtype
+                matrix_bytes = sent.itemsize * sum(s.numel for s in specs)  # gathered as the exchange sends
                 replicated = (fallback + sum(swan_cost(s) for s in specs) / rate
                               + move(matrix_bytes * (world - 1) / world) + 2 * world * V["all_to_all latency per peer"])
                 compute = 6 * params * V["global batch (tokens)"] / world / (V["MFU"] * V["H100 bf16 peak"])
                 out.append(Cluster(model, world, compute, adamw_s(params / world, hbm),
-                                   fallback + owner_whiten + owner_comm, owner_whiten, owner_comm, replicated))
+                                   fallback + owner_whiten + owner_comm, owner_whiten, owner_comm, owner_comm_fp32,
+                                   replicated))
         finally:
             dist.destroy_process_group()
     return out
@@ -167,23 +176,26 @@ def main() -> None:
               f"({fraction * V['H100 bf16 peak'] / 1e12:.0f} TFLOP/s).", "",
               "**Check against the paper** (1.3B LLaMA, 8x A100, DDP, batch 131,072 tokens; raw tokens/s "
               "over Adam's). *w/ MP* is swan_dist's owner mode: the plan's slowest owner whitens, each owner "
-              "sends its matrices' updates to the 7 others over NVLink in the parameters' dtype (bf16: the paper's "
-              "bf16 model under DDP; fp32 master weights, as FSDP2 mixed precision keeps, would send twice the "
-              "bytes).", "",
+              "sends its matrices' updates to the 7 others over NVLink in the dtype the engine sends them in "
+              "(`exchange_dtype=\"auto\"`: the paper's bf16 parameters under DDP, 2 bytes an element).", "",
               "| point | predicted | paper | predicted / paper |", "|---|---:|---:|---:|"]
     lines += [f"| {p} | {pred:.3f} | {meas:.3f} | {pred / meas:.3f} |" for p, pred, meas in paper.rows]
-    lines += ["", "**Predicted, H100 clusters** (FSDP over all W GPUs, NSDS, bucket_mb=256, 4M-token global "
-              "batch: per-GPU compute shrinks as W grows). *compute*: forward and backward at the MFU above, "
+    lines += ["", "**Predicted, H100 clusters** (FSDP2 over all W GPUs with `MixedPrecisionPolicy(param_dtype="
+              "bf16, reduce_dtype=fp32)`: fp32 shards and gradients; SWAN‡ (NSDS, whitened in bf16), bucket_mb=256, "
+              "4M-token global batch: per-GPU compute shrinks as W grows). The exchange's bytes are those the engine "
+              "sends there (`exchange_dtype=\"auto\"`: bf16 pieces, 2 bytes an element, counted by the simulated "
+              "step); *fp32 exchange*: the same exchange with fp32 pieces (`exchange_dtype=\"param\"`, twice the "
+              "bytes, the same latency). *compute*: forward and backward at the MFU above, "
               "the same for every optimizer; *owner*: the fallback AdamW on embeddings and head, the plan's "
               "critical path (*whitening*) and rank 0's exchange bytes and latency from the simulated step "
               "(*exchange*); *replicated*: every GPU whitens every matrix after gathering it. Ratios are "
               "tokens/s against AdamW's.", "",
-              "| model | W | compute | AdamW step | owner step (whitening + exchange) | replicated step | "
-              "owner vs AdamW | replicated vs AdamW |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+              "| model | W | compute | AdamW step | owner step (whitening + exchange) | fp32 exchange | "
+              "replicated step | owner vs AdamW | replicated vs AdamW |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         base = r.compute + r.adamw
         lines.append(f"| {r.model} | {r.world} | {ms(r.compute)} | {ms(r.adamw)} | {ms(r.owner)} "
-                     f"({ms(r.owner_whiten)} + {ms(r.owner_comm)}) | {ms(r.replicated)} | "
+                     f"({ms(r.owner_whiten)} + {ms(r.owner_comm)}) | {ms(r.owner_comm_fp32)} | {ms(r.replicated)} | "
                      f"{base / (r.compute + r.owner):.3f} | {base / (r.compute + r.replicated):.3f} |")
     worst = min(rows, key=lambda r: (r.compute + r.adamw) / (r.compute + r.owner))
     sw = next(p for p in paper.rows if p[0] == "SWAN‡ w/ MP")

@@ -151,13 +151,15 @@ def minimum_bytes(plan: Plan, rank: int, elem: int) -> int:
     return total * elem
 
 
-def measure(model: str, specs: list[MatrixSpec], world: int, layout: Layout, group, bucket_bytes: int) -> Row:
+def measure(model: str, specs: list[MatrixSpec], world: int, layout: Layout, group, bucket_bytes: int,
+            sent: torch.dtype = DTYPE, shards: torch.dtype = DTYPE) -> Row:
+    """Rank 0's row; ``shards``: the gradients' dtype, ``sent``: the dtype the exchange sends them in."""
     ranges = layout.ranges(specs)
     rank = dist.get_rank(group)
     build_s, plan = best_of(3, lambda: swan_plan(specs, ranges, bucket_bytes=bucket_bytes))
-    exchange_s, ex = best_of(3, lambda: swan_exchange(plan, rank, group, META, [DTYPE] * len(specs)))
-    grads = [torch.empty(hi - lo, dtype=DTYPE, device=META) for lo, hi in plan.ranges[rank]]
-    ex.run(grads, set(), lambda m, update: None)
+    exchange_s, ex = best_of(3, lambda: swan_exchange(plan, rank, group, META, [sent] * len(specs)))
+    grads = [torch.empty(hi - lo, dtype=shards, device=META) for lo, hi in plan.ranges[rank]]
+    ex.run(grads, set(), lambda m, update, finite: None)
     if ex.failure is not None:
         raise ex.failure
     grad_peers = {d for st in ex.steps for d, n in enumerate(st.grads.send) if n}
@@ -167,7 +169,7 @@ def measure(model: str, specs: list[MatrixSpec], world: int, layout: Layout, gro
     return Row(model, layout.name, world, layout.group, build_s, exchange_s, plan_memory(specs, layout, bucket_bytes),
                len(grad_peers), len(update_peers), sum(st.moves.grads + st.moves.updates for st in ex.steps),
                sum(1 for st in ex.steps for n in (*st.grads.send, *st.updates.send) if n), ex.bytes_sent,
-               None if replicas else minimum_bytes(plan, rank, torch.empty(0, dtype=DTYPE).element_size()),
+               None if replicas else minimum_bytes(plan, rank, sent.itemsize),
                plan.slowest(), *plan.bounds(), max(total / world, largest))
 
 

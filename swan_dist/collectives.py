@@ -110,6 +110,8 @@ def host_tensor(values: Sequence, dtype: torch.dtype, device: torch.device | str
     device = torch.device(device or "cpu")
     if device.type == "cpu":
         return t
+    if device.type == "meta":  # a step simulated from shapes alone (benchmarks/scale.py): nothing to pin
+        return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
 
 

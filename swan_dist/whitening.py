@@ -24,7 +24,7 @@ from .records import Entry
 from .rules import Missed, Pending, apply_stack
 
 __all__ = ["whiten_local", "Plans", "explain", "swan_compute", "swan_cost", "swan_plan", "swan_exchange",
-           "exchange_dtypes", "EXCHANGE_DTYPES"]
+           "exchange_dtype_of", "exchange_dtypes", "EXCHANGE_DTYPES"]
 
 # Bounds on stacks and held updates; measurements behind them: docs/benchmarks.md, "Engine constants".
 _MAX_BATCH_BYTES = 256 << 20  # largest stack of same-shape gradients whitened in one call (accelerators)
@@ -60,19 +60,25 @@ def swan_exchange(plan: Plan, rank: int, group, device: torch.device, dtypes: Se
 EXCHANGE_DTYPES = ("auto", "bf16", "fp32", "param")
 
 
-def exchange_dtypes(entries: Sequence[Entry], choice: str, device: torch.device) -> list[torch.dtype]:
-    """The dtype each matrix's gradient and update pieces travel in between its holders and its owner
-    (``SWAN(exchange_dtype=...)``): ``auto`` the whitening dtype where that is bf16 (SWAN‡ on GPUs: the
-    owner whitens in bf16, what a finer dtype would carry is dropped there), else the parameter's dtype;
-    ``bf16``, ``fp32``; ``param`` the parameter's dtype. Updates are applied in the parameter's dtype."""
+def exchange_dtype_of(choice: str, cfg: WhitenConfig | None, param_dtype: torch.dtype,
+                      device: torch.device) -> torch.dtype:
+    """The dtype a matrix's gradient and update pieces travel in between its holders and its owner
+    (``SWAN(exchange_dtype=...)``), the owner whitening on ``device``: ``auto`` the whitening dtype where
+    that is bf16 (SWAN‡ on GPUs: the owner whitens in bf16, what a finer dtype would carry is dropped
+    there), else the parameter's dtype; ``bf16``, ``fp32``; ``param`` the parameter's dtype. Updates are
+    applied in the parameter's dtype."""
     if choice == "bf16":
-        return [torch.bfloat16] * len(entries)
+        return torch.bfloat16
     if choice == "fp32":
-        return [torch.float32] * len(entries)
-    if choice == "param":
-        return [e.piece.param.dtype for e in entries]
-    return [torch.bfloat16 if resolve_dtype(e.record.cfg, device) == torch.bfloat16 else e.piece.param.dtype
-            for e in entries]
+        return torch.float32
+    if choice == "auto" and cfg is not None and resolve_dtype(cfg, device) == torch.bfloat16:
+        return torch.bfloat16
+    return param_dtype
+
+
+def exchange_dtypes(entries: Sequence[Entry], choice: str, device: torch.device) -> list[torch.dtype]:
+    """:func:`exchange_dtype_of` for each entry's matrix."""
+    return [exchange_dtype_of(choice, e.record.cfg, e.piece.param.dtype, device) for e in entries]
 
 
 def explain(failure: BaseException | None, bucket_mb: float) -> BaseException | None:

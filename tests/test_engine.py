@@ -205,3 +205,22 @@ def test_transient_bound_follows_the_exchange_dtype():
     assert fp32["grad_buffers"] > 0 and fp32["update_buffers"] > 0, fp32
     assert 2 * bf16["grad_buffers"] == fp32["grad_buffers"] and 2 * bf16["update_buffers"] == fp32["update_buffers"]
     assert bf16["matrices"] == fp32["matrices"] and bf16["workspace"] == fp32["workspace"]
+
+
+def test_exchange_dtype_rule_and_its_check():
+    """``auto``: bf16 where the owner whitens in bf16 (NSDS on CUDA), else the parameter's dtype (NS; the
+    CPU, pinned to fp32 whitening in the tests); explicit choices on any device; anything else refused
+    naming the key."""
+    from swan_dist import SWAN
+    from swan_dist.whitening import exchange_dtype_of
+
+    cuda, cpu, f32, bf16 = torch.device("cuda"), torch.device("cpu"), torch.float32, torch.bfloat16
+    assert exchange_dtype_of("auto", NSDS, f32, cuda) == bf16
+    assert exchange_dtype_of("auto", NS, f32, cuda) == f32 and exchange_dtype_of("auto", NS, torch.float16, cuda) == torch.float16
+    assert exchange_dtype_of("auto", NSDS, f32, cpu) == f32
+    assert exchange_dtype_of("auto", WhitenConfig(dtype="bfloat16"), f32, cpu) == bf16
+    for device in (cpu, cuda):
+        assert exchange_dtype_of("bf16", NS, f32, device) == bf16 and exchange_dtype_of("fp32", NSDS, bf16, device) == f32
+        assert exchange_dtype_of("param", NSDS, f32, device) == f32
+    with pytest.raises(ValueError, match="exchange_dtype"):
+        SWAN(torch.nn.Linear(4, 4), verbose=False, exchange_dtype="fp16")
