@@ -45,7 +45,8 @@ class SWANFactory:
     ``optimizer_cls_and_kwargs``), except through ``{"adamw_lr": "auto"}``: the Trainer's ``learning_rate`` is
     then AdamW's lr, converted by the lr convention (:func:`swan_dist.from_adamw`), with its ``weight_decay``
     (AdamW's, converted), ``adam_beta1``/``adam_beta2`` and ``adam_epsilon`` (the fallback's) where the kwargs
-    do not set them (``"learning_rate"`` says the same as ``"auto"``). ``{"adamw_lr": η}`` converts η; ``{"lr": ...}`` is SWAN's own lr. The Trainer's scheduler
+    do not set them (``"learning_rate"`` says the same as ``"auto"``). ``{"adamw_lr": η}`` converts η, with the same
+    betas, eps and weight decay from the Trainer's arguments; ``{"lr": ...}`` is SWAN's own lr. The Trainer's scheduler
     (``lr_scheduler_type``, ``warmup_steps``) scales the lr of every SWAN group; the preset's own warm-up
     and cosine schedule belong to the reference trainer and are not applied.
     """
