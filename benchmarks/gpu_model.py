@@ -116,39 +116,46 @@ class Cluster:
     replicated: float
 
 
+def cluster_step(model: str, specs: list[MatrixSpec], params: float, vocab_dim: int, world: int, rate: float,
+                 tokens_per_gpu: float, sent: torch.dtype, recompute: bool = False) -> Cluster:
+    """One H100 cluster point: FSDP row shards over all W GPUs (the caller's fake process group of W),
+    ``tokens_per_gpu`` a step, ``rate`` the whitening FLOP/s, the exchange sending ``sent`` (the bytes the
+    simulated step counts); ``recompute``: activation checkpointing runs each forward twice."""
+    hbm = V["H100 HBM"]
+    row = measure(model, specs, world, Layout("FSDP", world, world), dist.group.WORLD, 256 << 20, sent, torch.float32)
+    nvlink = V["H100 NVLink, one direction"] * V["link efficiency"]
+    ib = V["InfiniBand per GPU, one direction"] * V["link efficiency"]
+    remote = 0.0 if world <= 8 else 1 - 7 / (world - 1)  # share of peers on other nodes
+
+    def move(nbytes: float) -> float:
+        return nbytes * (1 - remote) / nvlink + nbytes * remote / ib
+
+    latency = row.collectives * world * V["all_to_all latency per peer"]
+    fallback = adamw_s(2 * vocab_dim / world, hbm)
+    owner_whiten = row.slowest / rate
+    owner_comm = move(row.sent) + latency
+    owner_comm_fp32 = move(row.sent * 4 / sent.itemsize) + latency  # bytes scale with the dtype
+    matrix_bytes = sent.itemsize * sum(s.numel for s in specs)  # gathered as the exchange sends
+    replicated = (fallback + sum(swan_cost(s) for s in specs) / rate
+                  + move(matrix_bytes * (world - 1) / world) + 2 * world * V["all_to_all latency per peer"])
+    compute = (8 if recompute else 6) * params * tokens_per_gpu / (V["MFU"] * V["H100 bf16 peak"])
+    return Cluster(model, world, compute, adamw_s(params / world, hbm), fallback + owner_whiten + owner_comm,
+                   owner_whiten, owner_comm, owner_comm_fp32, replicated)
+
+
 def cluster_rows(rate_fraction: float, worlds: tuple[int, ...], exchange: str = "auto") -> list[Cluster]:
     """FSDP row shards over all W GPUs (H100), NSDS, bucket_mb=256, a 4M-token global batch; FSDP2 mixed
     precision (fp32 shards and gradients), the exchange sending what ``SWAN(exchange_dtype=exchange)``
     sends there (``auto``: bf16, SWAN‡ whitening in bf16 on GPUs)."""
     rate = rate_fraction * V["H100 bf16 peak"]
-    hbm, out = V["H100 HBM"], []
     sent = exchange_dtype_of(exchange, WhitenConfig(), torch.float32, CUDA)
+    out = []
     for world in worlds:
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
         try:
             for model, params, vocab_dim in (("LLaMA-7B", 6.74e9, 32000 * 4096), ("LLaMA-70B", 69.0e9, 32000 * 8192)):
-                specs = MODELS[model]()
-                row = measure(model, specs, world, Layout("FSDP", world, world), dist.group.WORLD, 256 << 20,
-                              sent, torch.float32)
-                nvlink = V["H100 NVLink, one direction"] * V["link efficiency"]
-                ib = V["InfiniBand per GPU, one direction"] * V["link efficiency"]
-                remote = 0.0 if world <= 8 else 1 - 7 / (world - 1)  # share of peers on other nodes
-
-                def move(nbytes: float) -> float:
-                    return nbytes * (1 - remote) / nvlink + nbytes * remote / ib
-
-                latency = row.collectives * world * V["all_to_all latency per peer"]
-                fallback = adamw_s(2 * vocab_dim / world, hbm)
-                owner_whiten = row.slowest / rate
-                owner_comm = move(row.sent) + latency
-                owner_comm_fp32 = move(row.sent * 4 / sent.itemsize) + latency  # bytes scale with the dtype
-                matrix_bytes = sent.itemsize * sum(s.numel for s in specs)  # gathered as the exchange sends
-                replicated = (fallback + sum(swan_cost(s) for s in specs) / rate
-                              + move(matrix_bytes * (world - 1) / world) + 2 * world * V["all_to_all latency per peer"])
-                compute = 6 * params * V["global batch (tokens)"] / world / (V["MFU"] * V["H100 bf16 peak"])
-                out.append(Cluster(model, world, compute, adamw_s(params / world, hbm),
-                                   fallback + owner_whiten + owner_comm, owner_whiten, owner_comm, owner_comm_fp32,
-                                   replicated))
+                out.append(cluster_step(model, MODELS[model](), params, vocab_dim, world, rate,
+                                        V["global batch (tokens)"] / world, sent))
         finally:
             dist.destroy_process_group()
     return out
