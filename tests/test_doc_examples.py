@@ -68,3 +68,55 @@ def test_page_example_runs_as_written(tmp_path, page, name, code, command):
         f"{page}: `{command}` exited {out.returncode}\n{out.stdout[-3000:]}\n{out.stderr[-6000:]}"
     if len(losses) >= 2:
         assert losses[-1] < losses[0], f"{page}: the loss did not fall: {losses}"
+
+
+# ---- the lr convention in every example (no process launched)
+_BLOCK = re.compile(r"```[\w-]*\n(.*?)```", re.S)
+_START = re.compile(r"\bSWAN\(|\bswap\(|SWANFactory\s*,\s*\{|[\"']type[\"']\s*:\s*[\"']SWAN[\"']|\bget_swan_optimizer\(|"
+                    r"SwanOptimizersContainer\.Config\(|\bswan_config\(|--optimizer[ =]swan\b")
+_FOLLOWS = re.compile(r"adamw_lr|from_adamw|--swan-from-adamw|\bswap\(")
+
+
+def _balanced(code: str, i: int) -> str:
+    """``code`` from the bracket at ``i`` to the one closing it."""
+    depth = 0
+    for j in range(i, len(code)):
+        depth += code[j] in "({["
+        depth -= code[j] in ")}]"
+        if depth == 0:
+            return code[i:j + 1]
+    return code[i:]
+
+
+def constructions(text: str) -> list[str]:
+    """Every SWAN construction in the fenced code blocks of a page: a ``SWAN(...)`` / ``swap(...)`` call, a
+    ``SWANFactory`` kwargs dict, a ``"type": "SWAN"`` config, megatron-core's ``get_swan_optimizer(...)``,
+    torchtitan's ``SwanOptimizersContainer.Config(...)`` / ``swan_config(...)``, a ``--optimizer swan`` command."""
+    out = []
+    for block in _BLOCK.findall(text):
+        code = block.replace("\\\n", " ")  # a shell command's continued lines as one
+        for m in _START.finditer(code):
+            if m.group().startswith("--optimizer"):
+                end = code.find("\n", m.end())
+                out.append(code[code.rfind("\n", 0, m.start()) + 1:end if end >= 0 else None])
+            elif "type" in m.group():
+                out.append(_balanced(code, code.rfind("{", 0, m.start())))
+            else:
+                out.append(m.group()[:-1] + _balanced(code, m.end() - 1) if m.group().endswith("(")
+                           else _balanced(code, m.end() - 1))
+    return out
+
+
+def test_every_swan_construction_in_readme_and_integration_pages_follows_the_lr_convention():
+    """README.md's and the integration pages' examples build SWAN from an AdamW lr (``adamw_lr``, ``from_adamw``,
+    ``swap``, ``--swan-from-adamw``), never at a preset's or SWAN's own lr (docs/convergence.md, "The lr
+    convention"); the presets' lr is documented with the presets (docs/optimizer.md)."""
+    bad = ('```python\nopt = swan_dist.SWAN(model, preset="swan_ddagger")\n```\n```json\n{"optimizer": {"type": "SWAN", '
+           '"params": {"lr": 0.02}}}\n```\n```bash\ntorchrun x.py --optimizer swan \\\n  --lr 0.02\n```\n')
+    assert [bool(_FOLLOWS.search(c)) for c in constructions(bad)] == [False, False, False]  # the check can fail
+    pages = [DOCS.parent.parent / "README.md", *sorted(DOCS.glob("*.md"))]
+    found = {page.name: constructions(page.read_text()) for page in pages}
+    assert all(found.values()), found  # every page builds SWAN somewhere
+    wrong = [f"{page}: {' '.join(c.split())[:160]}" for page, cs in found.items() for c in cs if not _FOLLOWS.search(c)]
+    assert not wrong, "SWAN built without the lr convention (adamw_lr=, from_adamw, swap, --swan-from-adamw):\n" + \
+        "\n".join(wrong)
