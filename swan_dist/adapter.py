@@ -81,6 +81,7 @@ class Piece:
     slot: StateSlot
     layout: Layout = ROW_MAJOR
     split: tuple[int, ...] = ()  # a fused matrix's row pattern: its parts are whitened apart (layout.split_rows)
+    staged: Tensor | None = None  # a non-contiguous tensor ``param`` copies: written back after SWAN's update
 
     @property
     def whole(self) -> bool:
@@ -102,11 +103,13 @@ def tensor_piece(name: str, p: Tensor, shape: tuple[int, ...] | None = None, lo:
     engine sees ``local`` (default ``p``) flattened as elements ``[lo, lo + numel)`` of ``shape``."""
     local = p if local is None else local
     flat = local.detach().reshape(-1)
-    if flat.numel() and _address(flat) != _address(local.detach()):
-        raise ValueError(f"swan_dist: the local tensor of {name!r} is not contiguous; SWAN updates it in place")
+    # a non-contiguous tensor (a transpose, a strided slice) has no flat view: the engine works on a
+    # contiguous copy, made anew each step (such a piece is never reused), written back after SWAN's update;
+    # the fallback rule updates the tensor itself (``target``)
+    staged = local.detach() if flat.numel() and _address(flat) != _address(local.detach()) else None
     g = None if grad is None else grad.reshape(-1)
     return Piece(name, tuple(p.shape) if shape is None else tuple(shape), lo, lo + flat.numel(), flat, g,
-                 p, p.grad, StateSlot(p), layout, tuple(split))
+                 p, p.grad, StateSlot(p), layout, tuple(split), staged)
 
 
 def flat_piece(name: str, shape: Sequence[int], lo: int, flat: Tensor, start: int = 0, n: int | None = None,

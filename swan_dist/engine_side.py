@@ -68,6 +68,9 @@ class EngineSide:
             ctx = StepContext.of(entries, self.mode, self.bucket_mb, self.process_group, self.exchange_dtype)
             result = run_step(entries, ctx, kept, self.param_groups, self.state, failure, defer)
         finally:
+            for e in entries:  # a non-contiguous matrix: its contiguous copy's update back into it
+                if e.piece.staged is not None and e.record.use_swan:
+                    e.piece.staged.copy_(e.piece.param.view(e.piece.staged.shape))
             self._collector.release(entries, everything=memo == "all" or (isinstance(memo, tuple) and memo[0] == "part"))
             kept.hashes.clear()
         self._book.add(result)

@@ -229,6 +229,7 @@ class SWAN(EngineSide, torch.optim.Optimizer):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
+        self.defaults.pop("differentiable", None)  # torch's adds it for its own step; SWAN's has no such option
         # unpickling: absent, so defaults; torch's load_state_dict also calls this: keep what is set
         for key, make in (("process_group", lambda: None), ("_memos", dict), ("_collector", Collector),
                           ("_forms", dict), ("_in_backward", lambda: None), ("_book", StepBook),

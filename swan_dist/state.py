@@ -58,6 +58,9 @@ def import_states(state: dict, groups: list[dict], packed: dict[Tensor, tuple[bo
             if rules is None and not _stateful(g):
                 state.pop(p, None)
             elif state.get(p):
-                state[p] = adapter_for(p).import_state(p, state[p], rules or (g["use_swan"],))
+                st = state[p]
+                if "step" in st and not isinstance(st["step"], Tensor):  # a number (older torch saved one), as
+                    st["step"] = torch.tensor(float(st["step"]), dtype=torch.float32)  # torch's Adam loads it
+                state[p] = adapter_for(p).import_state(p, st, rules or (g["use_swan"],))
             else:  # an empty entry would only keep the tensor alive (e.g. after a framework replaced it)
                 state.pop(p, None)
