@@ -210,9 +210,8 @@ def get_swan_optimizer(config, model_chunks, config_overrides=None, use_gloo_pro
 def _mark_shards(wrapper) -> None:
     """Record on each model parameter its fp32 shard under the distributed optimizer and the range of
     its TP-local flattened tensor the shard covers; parameters this rank holds no range of get ``None``."""
-    for g in wrapper.optimizer._origin:
-        for _, p in g:
-            setattr(p, SHARD, (None, 0, 0))
+    for p in wrapper.optimizer.given_tensors():
+        setattr(p, SHARD, (None, 0, 0))
     pairs = [(wrapper.model_float16_groups, wrapper.shard_fp32_from_float16_groups),
              (wrapper.model_fp32_groups, wrapper.shard_fp32_groups)]
     for model_groups, shard_groups in pairs:

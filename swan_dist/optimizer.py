@@ -253,6 +253,25 @@ class SWAN(EngineSide, torch.optim.Optimizer):
         """Which parameters get SWAN and which the fallback rule, and why (layers collapsed to ``*``)."""
         return summary_text(self.preset, self._rows, self.param_groups, self._packed)
 
+    @property
+    def packs_parameters(self) -> bool:
+        """Whether a tensor of its groups packs several parameters (FSDP1 FlatParameters, ``use_orig_params=False``)."""
+        return bool(self._packed)
+
+    def group_labels(self) -> list[list[str]]:
+        """Each param group's labels, one per tensor of ``group["params"]``: the parameter name it was given under
+        (``<unnamed i>`` where none reached SWAN)."""
+        return [[o.name for o in origin] for origin in self._origin]
+
+    def given_tensors(self) -> list[Tensor]:
+        """The tensors the param groups were given, in group order, where they are still alive (a framework that
+        replaced them, e.g. with its fp32 shards, may have freed them; SWAN holds them weakly)."""
+        return [p for origin in self._origin for _, p in origin if p is not None]
+
+    def given_labels(self) -> list[str]:
+        """The labels of the parameters in the order SWAN was given them (the summary's rows)."""
+        return [r.name for r in self._rows]
+
     def state_dict(self) -> dict[str, Any]:
         """torch's state dict, every parameter's entry in its framework's layout (:func:`.state.export_states`)."""
         return export_states(super().state_dict(), self.param_groups, self._packed)

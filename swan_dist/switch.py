@@ -53,17 +53,17 @@ def _norm(name: str) -> str:
 def _given_order(opt) -> list[tuple[str, Tensor, dict]]:
     """``(label, tensor, group)`` of every tensor in SWAN's param groups, in the order SWAN was given them
     (its groups split each given group in two; the summary's rows keep the given order)."""
-    if opt._packed:
+    if opt.packs_parameters:
         raise ValueError(
             "swan_dist: this SWAN holds tensors that pack several parameters (FSDP1 FlatParameters, "
             "use_orig_params=False); an AdamW state dict cannot be matched to them by position or name: load it "
             "through torch.distributed.checkpoint (swan_dist.load_adamw_checkpoint, or set_optimizer_state_dict "
             "with get_optimizer_state_dict(model, adamw)'s state dict)")
     at: dict[str, tuple[str, Tensor, dict]] = {}
-    for group, origin in zip(opt.param_groups, opt._origin):
-        for o, p in zip(origin, group["params"]):
-            at[o.name] = (o.name, p, group)
-    order = [at.pop(r.name) for r in opt._rows if r.name in at]
+    for group, labels in zip(opt.param_groups, opt.group_labels()):
+        for label, p in zip(labels, group["params"]):
+            at[label] = (label, p, group)
+    order = [at.pop(label) for label in opt.given_labels() if label in at]
     total = sum(len(g["params"]) for g in opt.param_groups)
     if len(order) != total:
         raise ValueError(f"swan_dist: cannot tell the order SWAN's {total} tensors were given in (parameters "
@@ -80,7 +80,7 @@ def _pairs(opt, sd: Mapping) -> tuple[list[tuple[Any, str, Tensor, dict]], str]:
         aligned = len(a_groups) == len(opt.param_groups) and all(
             len(a["params"]) == len(g["params"]) for a, g in zip(a_groups, opt.param_groups))
         if aligned:  # torch.distributed.checkpoint's set_optimizer_state_dict: FQNs laid out in SWAN's groups
-            labels = [o.name for origin in opt._origin for o in origin]
+            labels = [label for group in opt.group_labels() for label in group]
             tensors = [(p, g) for g in opt.param_groups for p in g["params"]]
             return [(k, lab, p, g) for k, lab, (p, g) in zip(keys, labels, tensors)], "by parameter name"
         names = keys

@@ -243,3 +243,24 @@ def test_fsdp2_world_two_dcp_state_dicts_and_swap_equal_moments_put_in_by_hand(t
             for a, b in zip(full[k], full["hand"]):
                 assert torch.equal(a, b), k
         assert losses["hand"][-1] < before[-1] and losses["hand"][-1] < losses["hand"][0], (before, losses["hand"])
+
+
+def test_swans_public_view_of_what_it_was_given():
+    """What switching reads of SWAN, through its public methods (no module outside the class reads its private
+    fields): each group's labels, the order the parameters were given in, the tensors given, whether a tensor
+    packs several parameters."""
+    import re
+    from pathlib import Path
+
+    model = Toy()
+    named = list(model.named_parameters())
+    opt = SWAN([{"params": [p for _, p in named[::-1]], "param_names": [n for n, _ in named[::-1]]}], verbose=False)
+    assert opt.given_labels() == [n for n, _ in named[::-1]]
+    assert [lab for g in opt.group_labels() for lab in g] == [n for g in opt.param_groups for n in g["param_names"]]
+    assert [id(p) for p in opt.given_tensors()] == [id(p) for g in opt.param_groups for p in g["params"]]
+    assert not opt.packs_parameters
+    root = Path(swan_dist.__file__).parent
+    private = re.compile(r"(?<!self)\.(_packed|_origin|_rows)\b")
+    readers = [str(f.relative_to(root.parent)) for d in (root, root.parent / "integrations") for f in d.rglob("*.py")
+               if f.name != "optimizer.py" and private.search(f.read_text())]
+    assert not readers, readers
