@@ -94,6 +94,21 @@ assert not any(Path(p or ".").resolve() == Path({root!r}) for p in sys.path), sy
 from swan_dist.presets import config_dir, list_presets
 assert Path(str(config_dir())).resolve().is_relative_to(venv), config_dir()
 assert list_presets() == ["swan_0", "swan_dagger", "swan_ddagger"], list_presets()
+from importlib.metadata import version
+assert version("swan_dist") == swan_dist.__version__  # one version, in the package and its metadata
+# SWAN_DIST_CONFIG_DIR still overrides: a folder whose presets/ replaces the package's
+from swan_dist.presets import load_preset
+Path("mine/presets").mkdir(parents=True)
+Path("mine/presets/swan_ddagger.yaml").write_text("optimizer:\\n  lr: 0.123\\n")
+os.environ["SWAN_DIST_CONFIG_DIR"] = "mine"
+assert load_preset("swan_ddagger")["optimizer"] == {{"lr": 0.123}} and list_presets() == ["swan_ddagger"]
+os.environ["SWAN_DIST_CONFIG_DIR"] = "nowhere"
+try:
+    load_preset("swan_ddagger")
+    raise AssertionError("a missing SWAN_DIST_CONFIG_DIR was not reported")
+except FileNotFoundError as e:
+    assert "SWAN_DIST_CONFIG_DIR" in str(e), e
+del os.environ["SWAN_DIST_CONFIG_DIR"]
 
 # a one-process step
 torch.manual_seed(0)
@@ -160,6 +175,37 @@ for (name, p), q in zip(model.named_parameters(), ref.parameters()):
     full = p.full_tensor()
     assert torch.allclose(full, q, atol=1e-5, rtol=1e-5), (name, (full - q).abs().max())
 assert opt.whitened_matrices == ref_opt.whitened_matrices > 0
+
+# every version's checkpoint fixture (saved in one process) loads at W=2 under FSDP2
+import sys
+from pathlib import Path
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+fixtures = Path(sys.argv[1])
+sys.path.insert(0, str(fixtures))
+from make_checkpoints import Fixture, OPTIONS
+for folder in sorted((fixtures / "checkpoints").iterdir()):
+    torch.manual_seed(1)
+    m = Fixture()
+    for layer in (m.up, m.down):
+        fully_shard(layer)
+    fully_shard(m)
+    o = swan_dist.SWAN(m, verbose=False, **OPTIONS)
+    msd, osd = get_state_dict(m, o)
+    state = {"model": msd, "optimizer": osd}
+    dcp.load(state, checkpoint_id=str(folder / "dcp"))
+    set_state_dict(m, o, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    saved = torch.load(folder / "swan.pt", weights_only=True)
+    full = StateDictOptions(full_state_dict=True)
+    fm, fo = get_state_dict(m, o, options=full)
+    for name, value in saved["model"].items():
+        assert torch.equal(fm[name], value), (folder.name, name)
+    by_name = {n: saved["optimizer"]["state"].get(i, {}) for g in saved["optimizer"]["param_groups"]
+               for i, n in zip(g["params"], g["param_names"])}
+    for name, st in by_name.items():
+        for key, value in st.items():
+            assert torch.equal(torch.as_tensor(fo["state"][name][key]), torch.as_tensor(value)), (folder.name, name, key)
+        assert bool(st) == bool(fo["state"].get(name)), (folder.name, name)
 dist.barrier()
 if rank == 0:
     print("fsdp2 W=2: ok")
@@ -191,8 +237,11 @@ def test_environment_report_of_the_installed_package(installed):
 
 
 def test_torchrun_fsdp2_step_of_the_installed_package(installed):
+    """A step against single-process SWAN, and every version's checkpoint fixture loaded at W=2."""
     python, run_dir, env, venv = installed
     script = run_dir / "fsdp2.py"
     script.write_text(textwrap.dedent(FSDP2))
-    out = _run([python, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", script], run_dir, env)
+    fixtures = ROOT / "tests" / "fixtures"
+    out = _run([python, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", script, fixtures],
+               run_dir, env)
     assert "fsdp2 W=2: ok" in out
