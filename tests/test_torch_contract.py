@@ -10,6 +10,8 @@ from __future__ import annotations
 import copy
 import io
 import itertools
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,24 +20,12 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from swan_dist import SWAN
 
+sys.path.insert(0, str(Path(__file__).resolve().parent / "fixtures"))
+from make_checkpoints import Fixture as Tiny  # noqa: E402  an embedding, a norm and a head (fallback), two matrices
+
 RULES = ("adamw", "sign", "sgd")
 PRESETS = ("swan_0", "swan_dagger", "swan_ddagger")
 CASES = list(itertools.product(PRESETS, RULES))
-
-
-class Tiny(nn.Module):
-    """An embedding, a norm and a head (fallback rule), and two projections SWAN whitens."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(7, 6)
-        self.up = nn.Linear(6, 8)
-        self.down = nn.Linear(8, 6, bias=False)
-        self.norm = nn.LayerNorm(6)
-        self.head = nn.Linear(6, 7, bias=False)
-
-    def forward(self, x):
-        return self.head(self.norm(self.down(torch.relu(self.up(self.embed(x))))))
 
 
 def _model(seed: int = 0) -> Tiny:
@@ -50,9 +40,9 @@ def _opt(model, preset, rule, params=None, **kw):
 
 
 def _backward(model, step: int) -> torch.Tensor:
-    x = torch.randint(0, 7, (3, 5), generator=torch.Generator().manual_seed(step))
+    x = torch.randint(0, 9, (3, 5), generator=torch.Generator().manual_seed(step))
     out = model(x)
-    loss = nn.functional.cross_entropy(out.reshape(-1, 7), x.roll(1, 1).reshape(-1))
+    loss = nn.functional.cross_entropy(out.reshape(-1, 9), x.roll(1, 1).reshape(-1))
     loss.backward()
     return loss.detach()
 
@@ -308,10 +298,10 @@ def test_schedulers_scale_every_group_and_training_goes_downhill(preset, rule):
     opt = _opt(model, preset, rule, lr=torch.tensor(0.01) if rule == "sign" else 0.01, weight_decay=0.0)
     base = [float(g["lr"]) for g in opt.param_groups]
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 1.0 / (1 + t))
-    x = torch.randint(0, 7, (8, 6), generator=torch.Generator().manual_seed(0))
+    x = torch.randint(0, 9, (8, 6), generator=torch.Generator().manual_seed(0))
 
     def loss() -> torch.Tensor:
-        return nn.functional.cross_entropy(model(x).reshape(-1, 7), x.roll(1, 1).reshape(-1))
+        return nn.functional.cross_entropy(model(x).reshape(-1, 9), x.roll(1, 1).reshape(-1))
 
     first = loss().item()
     for t in range(6):
@@ -359,8 +349,8 @@ def test_maximize_is_left_out_and_a_negated_loss_gives_the_exactly_negated_step(
         model = _model()
         opt = _opt(model, preset, rule, weight_decay=0.0)
         before = [p.detach().clone() for p in model.parameters()]
-        x = torch.randint(0, 7, (3, 5), generator=torch.Generator().manual_seed(0))
-        loss = nn.functional.cross_entropy(model(x).reshape(-1, 7), x.roll(1, 1).reshape(-1))
+        x = torch.randint(0, 9, (3, 5), generator=torch.Generator().manual_seed(0))
+        loss = nn.functional.cross_entropy(model(x).reshape(-1, 9), x.roll(1, 1).reshape(-1))
         opt.zero_grad()
         (sign * loss).backward()
         opt.step()
