@@ -76,10 +76,10 @@ step() {
     else
         echo "no .whl/ folder: megatron-core must already be importable (carry .whl)"
     fi
-    # swan_dist is not pip-installed there, and setup.cfg maps the subpackage swan_dist.integrations to the
+    # swan_dist is not pip-installed there, and setup.py maps the subpackage swan_dist.integrations to the
     # top-level integrations/ folder, which a plain PYTHONPATH entry cannot express. So $SITE/swan_dist is a
     # folder of symlinks: swan_dist/'s entries plus integrations -> ../integrations. Module paths resolve
-    # through the links into this checkout, so configs/presets is found as in a source checkout.
+    # through the links into this checkout, the presets (package data, swan_dist/configs) included.
     rm -rf "$SITE/swan_dist"
     mkdir -p "$SITE/swan_dist"
     for f in "$PWD"/swan_dist/*; do
