@@ -9,7 +9,6 @@ import math
 
 import pytest
 import torch
-from torch import nn
 
 import swan_dist
 from swan_dist import SWAN
