@@ -27,6 +27,7 @@ the lr convention (:func:`swan_dist.from_adamw`), ``"learning_rate"`` under the 
 
 from __future__ import annotations
 
+import math
 import sys
 from typing import Any
 
@@ -74,10 +75,9 @@ def allow_in_zero(cls: type) -> None:
         utils.ZERO_SUPPORTED_OPTIMIZERS.append(cls)
 
 
-def engine_module() -> nn.Module | None:
-    """The model of the DeepSpeed engine that is building this optimizer from its JSON ``"type"``, if
-    any: DeepSpeed hands the optimizer bare parameters, and its engine (a caller up the stack,
-    ``DeepSpeedEngine._configure_basic_optimizer``) holds the module that knows their names."""
+def building_engine():
+    """The DeepSpeed engine that is building this optimizer from its JSON ``"type"`` (a caller up the stack,
+    ``DeepSpeedEngine._configure_basic_optimizer``), if any."""
     if "deepspeed" not in sys.modules:
         return None
     from deepspeed.runtime.engine import DeepSpeedEngine
@@ -86,9 +86,60 @@ def engine_module() -> nn.Module | None:
     while frame is not None:
         engine = frame.f_locals.get("self")
         if isinstance(engine, DeepSpeedEngine):
-            return engine.module
+            return engine
         frame = frame.f_back
     return None
+
+
+def engine_module() -> nn.Module | None:
+    """The model of the DeepSpeed engine that is building this optimizer from its JSON ``"type"``, if
+    any: DeepSpeed hands the optimizer bare parameters, and its engine holds the module that knows their names."""
+    engine = building_engine()
+    return None if engine is None else engine.module
+
+
+WARMUP_SCHEDULERS = ("WarmupLR", "WarmupDecayLR")
+
+
+def convert_warmup(engine, optimizer) -> None:
+    """With ``"adamw_lr"`` in the JSON's SWAN params, the lrs of a ``WarmupLR`` / ``WarmupDecayLR`` in its
+    ``"scheduler"`` are AdamW's too: both write one ``warmup_max_lr`` into every param group (``WarmupDecayLR``'s
+    default 0.001), which would put SWAN's matrix and fallback groups at AdamW's lr (or 0.001). Here each group's
+    warm-up ends at its own converted lr (``warmup_max_lr`` left out, or equal to ``adamw_lr``) and starts at
+    ``warmup_min_lr`` converted alike; a ``warmup_max_lr`` other than ``adamw_lr`` is an error naming the fix.
+    ``WarmupCosineLR`` scales each group's own lr by ratios and needs nothing. Called while the engine builds SWAN,
+    before it builds the scheduler; the engine's scheduler params are replaced, the caller's config untouched."""
+    name, params = engine.scheduler_name(), engine.scheduler_params()
+    eta = (engine.optimizer_params() or {}).get("adamw_lr")
+    if name not in WARMUP_SCHEDULERS or eta is None:
+        return
+    from swan_dist.defaults import rank0
+    from swan_dist.integrations.huggingface import TRAINER_LR, trainer_args
+    from swan_dist.summary import log_info
+
+    eta = float(trainer_args().learning_rate if eta in TRAINER_LR else eta)
+    params = dict(params or {})
+    lrs = [float(g["lr"]) for g in optimizer.param_groups]  # converted from eta at construction
+    peak, low = params.get("warmup_max_lr"), params.get("warmup_min_lr", 0.0)
+    for key, value in (("warmup_max_lr", peak), ("warmup_min_lr", low)):
+        if isinstance(value, (list, tuple)):
+            raise ValueError(f"swan_dist: the DeepSpeed scheduler {name}'s {key} is a list ({value!r}); with \"adamw_lr\" "
+                             f"give one number, AdamW's (SWAN converts it for each of its param groups)")
+    if peak is not None and not math.isclose(float(peak), eta, rel_tol=1e-6):
+        raise ValueError(
+            f"swan_dist: the DeepSpeed scheduler {name} has warmup_max_lr={peak!r} and the SWAN params adamw_lr={eta!r}: "
+            f"{name} writes warmup_max_lr into every param group, so it would replace the lrs converted from adamw_lr. "
+            f"Leave warmup_max_lr out (each SWAN group then warms up to its own converted lr) or set it to adamw_lr "
+            f"({eta!r}); or use WarmupCosineLR, which scales each group's own lr")
+    params["warmup_max_lr"] = lrs
+    params["warmup_min_lr"] = [float(low) * lr / eta for lr in lrs]
+    engine._config.scheduler_params = params  # DeepSpeed's private config: what _scheduler_from_config reads next
+    if rank0():
+        def show(values: list[float]) -> str:
+            return "[" + ", ".join(f"{v:.3g}" for v in values) + "]"
+        log_info(f"swan_dist: DeepSpeed's {name} with adamw_lr={eta:g}: each SWAN param group warms up from "
+                 f"{show(params['warmup_min_lr'])} to its converted lr {show(lrs)} (warmup_max_lr and warmup_min_lr "
+                 "read as AdamW's)")
 
 
 def replaced_pieces(originals: list[tuple[str, Tensor]], params: list[Tensor], use_swan: bool, index: int,
@@ -220,3 +271,6 @@ class DeepSpeedAdapter(Adapter):
 
     def optimizer_built(self, optimizer) -> None:
         allow_in_zero(type(optimizer))
+        engine = building_engine()
+        if engine is not None:
+            convert_warmup(engine, optimizer)

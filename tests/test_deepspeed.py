@@ -199,6 +199,55 @@ def _lr_worker(rank, world, *configs):
     return out
 
 
+def _warmup_worker(rank, world, eta, cases):
+    """Each case (SWAN params, DeepSpeed "scheduler"): the group lrs (lr x alpha on SWAN groups, the fallback's lr)
+    as the scheduler starts and at the end of its 2-step warm-up, or the error DeepSpeed's initialize raised."""
+    import deepspeed
+
+    import swan_dist  # noqa: F401 - registers "SWAN"
+
+    out = []
+    for params, scheduler in cases:
+        config = {"train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 10**9, "zero_optimization": {"stage": 1},
+                  "optimizer": {"type": "SWAN", "params": {"adamw_lr": eta, **params}}, "scheduler": scheduler}
+        torch.manual_seed(0)
+        model = Net()
+        try:
+            engine, optimizer, _, sched = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                                               config=config)
+        except ValueError as e:
+            out.append(str(e))
+            continue
+
+        def lrs():
+            return [g["lr"] * (g["alpha"] if g["use_swan"] else 1.0) for g in optimizer.param_groups]
+        start = lrs()
+        for _ in range(2):
+            sched.step()
+        out.append((start, lrs()))
+    return out
+
+
+def test_deepspeed_warmup_schedulers_end_at_the_lrs_converted_from_adamw_lr():
+    """With ``"adamw_lr"``, WarmupDecayLR (whose warmup_max_lr defaults to 0.001), WarmupLR given AdamW's
+    warmup_max_lr and warmup_min_lr, and WarmupCosineLR end their warm-up at SWAN's converted lrs (0.2 eta on the
+    matrices, 4 eta on the fallback; SWAN-0's groups apart); a warmup_max_lr other than adamw_lr is refused,
+    naming the fix."""
+    eta = 3e-4
+    warm = {"warmup_num_steps": 2, "warmup_type": "linear"}
+    cases = [({}, {"type": "WarmupDecayLR", "params": {**warm, "total_num_steps": 10}}),
+             ({"preset": "swan_0"}, {"type": "WarmupDecayLR", "params": {**warm, "total_num_steps": 10}}),
+             ({}, {"type": "WarmupLR", "params": {**warm, "warmup_max_lr": eta, "warmup_min_lr": eta / 10}}),
+             ({}, {"type": "WarmupCosineLR", "params": {"warmup_num_steps": 2, "total_num_steps": 10}}),
+             ({}, {"type": "WarmupDecayLR", "params": {**warm, "total_num_steps": 10, "warmup_max_lr": 0.02}})]
+    decay, zero, warmup, cosine, refused = run_distributed(_warmup_worker, 1, eta, cases, timeout=200)[0]
+    for start, end in (decay, zero, warmup, cosine):
+        # groups [SWAN, fallback]: the matrices at 0.2 eta, the fallback at 4 eta
+        assert end == pytest.approx([0.2 * eta, 4 * eta], rel=1e-6), (start, end)
+    assert warmup[0] == pytest.approx([0.02 * eta, 0.4 * eta], rel=1e-6)  # warmup_min_lr eta / 10, converted
+    assert "warmup_max_lr=0.02" in refused and "adamw_lr" in refused and "Leave warmup_max_lr out" in refused
+
+
 def test_adamw_lr_in_the_json_resolves_as_swan_does():
     """``"adamw_lr": eta`` in the JSON (with AdamW's weight decay) gives SWAN(adamw_lr=eta)'s matrix and fallback lr
     (0.2 eta, 4 eta) and weight decay (5x); ``"lr"`` stays SWAN's own lr. With ``adamw_lr`` alone, betas, eps and
