@@ -179,82 +179,82 @@ def test_json_errors_name_the_bad_key():
     assert bad[0][0] == "error" and "momentum" in bad[0][3]
 
 
-def _lr_worker(rank, world, *configs):
-    """The (use_swan, lr, alpha, weight_decay, betas, eps) of each param group of SWAN as DeepSpeed builds it from
-    each of ``configs`` (the ``"params"``)."""
+def _lr_worker(rank, world, configs, eta, cases):
+    """One launch (DeepSpeed's first initialize in a process is the slow one) for the two tests below: the
+    (use_swan, lr, alpha, weight_decay, betas, eps) of each param group of SWAN as DeepSpeed builds it from each of
+    ``configs`` (the ``"params"``); and for each of ``cases`` (SWAN params beside ``"adamw_lr": eta``, a DeepSpeed
+    ``"scheduler"``) the group lrs (lr x alpha on SWAN groups, the fallback's lr) as the scheduler starts and at the
+    end of its 2-step warm-up, with the scheduler's ratio there, or the error DeepSpeed's initialize raised."""
     import deepspeed
 
     import swan_dist  # noqa: F401 - registers "SWAN"
 
-    out = []
+    def build(params, scheduler=None):
+        config = {"train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 10**9, "zero_optimization": {"stage": 1},
+                  "optimizer": {"type": "SWAN", "params": params}, **({"scheduler": scheduler} if scheduler else {})}
+        torch.manual_seed(0)
+        model = Net()
+        _, optimizer, _, sched = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+        return optimizer, sched
+
+    groups = []
     for params in configs:
-        config = {"train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 10**9, "zero_optimization": {"stage": 1},
-                  "optimizer": {"type": "SWAN", "params": params}}
-        torch.manual_seed(0)
-        model = Net()
-        _, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+        optimizer, _ = build(params)
         swan = optimizer if isinstance(optimizer, SWAN) else optimizer.optimizer
-        out.append([(g["use_swan"], g["lr"], g["alpha"], g["weight_decay"], g["betas"], g["eps"])
-                    for g in swan.param_groups])
-    return out
-
-
-def _warmup_worker(rank, world, eta, cases):
-    """Each case (SWAN params, DeepSpeed "scheduler"): the group lrs (lr x alpha on SWAN groups, the fallback's lr)
-    as the scheduler starts and at the end of its 2-step warm-up, or the error DeepSpeed's initialize raised."""
-    import deepspeed
-
-    import swan_dist  # noqa: F401 - registers "SWAN"
-
-    out = []
+        groups.append([(g["use_swan"], g["lr"], g["alpha"], g["weight_decay"], g["betas"], g["eps"])
+                       for g in swan.param_groups])
+    warmups = []
     for params, scheduler in cases:
-        config = {"train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 10**9, "zero_optimization": {"stage": 1},
-                  "optimizer": {"type": "SWAN", "params": {"adamw_lr": eta, **params}}, "scheduler": scheduler}
-        torch.manual_seed(0)
-        model = Net()
         try:
-            engine, optimizer, _, sched = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                                               config=config)
+            optimizer, sched = build({"adamw_lr": eta, **params}, scheduler)
         except ValueError as e:
-            out.append(str(e))
+            warmups.append(str(e))
             continue
 
         def lrs():
             return [g["lr"] * (g["alpha"] if g["use_swan"] else 1.0) for g in optimizer.param_groups]
         start = lrs()
-        for _ in range(2):
+        for _ in range(3):  # built at iteration -1 (the min lrs): iteration 2 ends the 2-step warm-up
             sched.step()
-        out.append((start, lrs()))
-    return out
+        # WarmupCosineLR's ratio at that iteration is already cosine's first step (below 1); the others' 1
+        warmups.append((start, lrs(), sched.get_lr_ratio() if hasattr(sched, "get_lr_ratio") else 1.0))
+    return groups, warmups
 
 
-def test_deepspeed_warmup_schedulers_end_at_the_lrs_converted_from_adamw_lr():
+ETA, WD = 3e-4, 0.1
+
+
+@pytest.fixture(scope="module")
+def json_lr_runs():
+    warm = {"warmup_num_steps": 2, "warmup_type": "linear"}
+    cases = [({}, {"type": "WarmupDecayLR", "params": {**warm, "total_num_steps": 10}}),
+             ({"preset": "swan_0"}, {"type": "WarmupDecayLR", "params": {**warm, "total_num_steps": 10}}),
+             ({}, {"type": "WarmupLR", "params": {**warm, "warmup_max_lr": ETA, "warmup_min_lr": ETA / 10}}),
+             ({}, {"type": "WarmupCosineLR", "params": {"warmup_num_steps": 2, "total_num_steps": 10}}),
+             ({}, {"type": "WarmupDecayLR", "params": {**warm, "total_num_steps": 10, "warmup_max_lr": 0.02}})]
+    configs = [{"preset": "swan_ddagger", "adamw_lr": ETA, "weight_decay": WD}, {"adamw_lr": ETA}]
+    return run_distributed(_lr_worker, 1, configs, ETA, cases, timeout=300)[0]
+
+
+def test_deepspeed_warmup_schedulers_end_at_the_lrs_converted_from_adamw_lr(json_lr_runs):
     """With ``"adamw_lr"``, WarmupDecayLR (whose warmup_max_lr defaults to 0.001), WarmupLR given AdamW's
     warmup_max_lr and warmup_min_lr, and WarmupCosineLR end their warm-up at SWAN's converted lrs (0.2 eta on the
     matrices, 4 eta on the fallback; SWAN-0's groups apart); a warmup_max_lr other than adamw_lr is refused,
     naming the fix."""
-    eta = 3e-4
-    warm = {"warmup_num_steps": 2, "warmup_type": "linear"}
-    cases = [({}, {"type": "WarmupDecayLR", "params": {**warm, "total_num_steps": 10}}),
-             ({"preset": "swan_0"}, {"type": "WarmupDecayLR", "params": {**warm, "total_num_steps": 10}}),
-             ({}, {"type": "WarmupLR", "params": {**warm, "warmup_max_lr": eta, "warmup_min_lr": eta / 10}}),
-             ({}, {"type": "WarmupCosineLR", "params": {"warmup_num_steps": 2, "total_num_steps": 10}}),
-             ({}, {"type": "WarmupDecayLR", "params": {**warm, "total_num_steps": 10, "warmup_max_lr": 0.02}})]
-    decay, zero, warmup, cosine, refused = run_distributed(_warmup_worker, 1, eta, cases, timeout=200)[0]
-    for start, end in (decay, zero, warmup, cosine):
+    decay, zero, warmup, cosine, refused = json_lr_runs[1]
+    for start, end, ratio in (decay, zero, warmup, cosine):
         # groups [SWAN, fallback]: the matrices at 0.2 eta, the fallback at 4 eta
-        assert end == pytest.approx([0.2 * eta, 4 * eta], rel=1e-6), (start, end)
-    assert warmup[0] == pytest.approx([0.02 * eta, 0.4 * eta], rel=1e-6)  # warmup_min_lr eta / 10, converted
+        assert ratio > 0.9 and end == pytest.approx([0.2 * ETA * ratio, 4 * ETA * ratio], rel=1e-6), (start, end)
+    assert warmup[0] == pytest.approx([0.02 * ETA, 0.4 * ETA], rel=1e-6)  # warmup_min_lr eta / 10, converted
     assert "warmup_max_lr=0.02" in refused and "adamw_lr" in refused and "Leave warmup_max_lr out" in refused
 
 
-def test_adamw_lr_in_the_json_resolves_as_swan_does():
+def test_adamw_lr_in_the_json_resolves_as_swan_does(json_lr_runs):
     """``"adamw_lr": eta`` in the JSON (with AdamW's weight decay) gives SWAN(adamw_lr=eta)'s matrix and fallback lr
     (0.2 eta, 4 eta) and weight decay (5x); ``"lr"`` stays SWAN's own lr. With ``adamw_lr`` alone, betas, eps and
     weight decay are DeepSpeed's AdamW defaults (not torch's)."""
-    eta, wd = 3e-4, 0.1
-    groups, defaults = run_distributed(_lr_worker, 1, {"preset": "swan_ddagger", "adamw_lr": eta, "weight_decay": wd},
-                                       {"adamw_lr": eta}, timeout=200)[0]
+    eta, wd = ETA, WD
+    groups, defaults = json_lr_runs[0]
     # nothing but adamw_lr: DeepSpeed's AdamW defaults (FusedAdam's: (0.9, 0.999), 1e-8, no weight decay)
     assert [(b, e, w) for *_, w, b, e in defaults] == [((0.9, 0.999), 1e-8, 0.0)] * 2, defaults
     plain = SWAN(Net(), adamw_lr=eta, weight_decay=wd, verbose=False)
