@@ -28,7 +28,7 @@ import swan_dist
 from swan_dist.reference.baselines import MuonWithAdamW, muon_split
 from swan_dist.reference.model import Llama, model_config
 
-from _report import write_section  # noqa: E402 (benchmarks/ is the script's folder)
+from measure import write_section  # noqa: E402 (benchmarks/ is the script's folder)
 
 NAMES = ("adamw-foreach", "adamw-fused", "muon", "swan", "swan-capturable", "swan-captured")
 

@@ -50,12 +50,12 @@ import yaml
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-if "_report" in sys.modules:
-    _report = sys.modules["_report"]
+if "measure" in sys.modules:
+    measure = sys.modules["measure"]
 else:  # by its path: putting benchmarks/ on sys.path would shadow packages (benchmarks/megatron.py)
-    _spec = importlib.util.spec_from_file_location("_report", HERE / "_report.py")
-    _report = sys.modules["_report"] = importlib.util.module_from_spec(_spec)
-    _spec.loader.exec_module(_report)
+    _spec = importlib.util.spec_from_file_location("measure", HERE / "measure.py")
+    measure = sys.modules["measure"] = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(measure)
 
 from swan_dist.reference.config import load_config  # noqa: E402
 from swan_dist.reference.model import MODEL_SIZES  # noqa: E402
@@ -521,7 +521,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     tmp = tempfile.mkdtemp(prefix="swan_convergence_") if args.quick and not (args.work_dir and args.out) else None
     default_work = Path(tmp) / "runs" if tmp else REPO / "runs" / f"convergence-{args.model}"
     work = Path(args.work_dir) if args.work_dir else default_work
-    out = Path(args.out) if args.out else (Path(tmp) / "benchmarks.md" if tmp else _report.DOC)
+    out = Path(args.out) if args.out else (Path(tmp) / "benchmarks.md" if tmp else measure.DOC)
     tag = f"{device}-{args.model}"  # one section and one plot per device and model size
     png = out.parent / f"convergence_{device}_{args.model}.png"
     cores = len(os.sched_getaffinity(0))
@@ -574,12 +574,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                "n_params": results["adamw"][0]["n_params"], "tokens": results["adamw"][0]["tokens"]}  # fmt: skip
     body = report(args, sweeps, stats, context)
     print(body)
-    saved = _report.DOC
-    try:  # _report writes the section into its DOC: point it at --out for this call
-        _report.DOC = out
-        _report.write_section(f"convergence-{tag}", f"Convergence ({'GPU' if device == 'cuda' else 'CPU'}, {args.model}): SWAN presets vs AdamW and Muon", body)
+    saved = measure.DOC
+    try:  # measure writes the section into its DOC: point it at --out for this call
+        measure.DOC = out
+        measure.write_section(f"convergence-{tag}", f"Convergence ({'GPU' if device == 'cuda' else 'CPU'}, {args.model}): SWAN presets vs AdamW and Muon", body)
     finally:
-        _report.DOC = saved
+        measure.DOC = saved
     work.mkdir(parents=True, exist_ok=True)
     record = {"args": vars(args), "command": _command(argv), "cores": cores, "threads": torch.get_num_threads(),
               "elapsed_s": elapsed, "expected_s": expected, "sweeps": sweeps, "target": target, "stats": stats,

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from _report import write_section  # noqa: E402 (benchmarks/ is the script's folder)
+from measure import write_section  # noqa: E402 (benchmarks/ is the script's folder)
 
 REPO = Path(__file__).resolve().parent.parent
 OPTIMIZERS = ("adamw", "swan")

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import tempfile
 import time
@@ -37,7 +36,7 @@ from swan_dist.functional import WhitenConfig
 from swan_dist.plan import MatrixSpec, row_shard_ranges
 from swan_dist.whitening import swan_exchange, swan_plan
 
-from _report import against, against_table, write_section  # noqa: E402 (benchmarks/ is the script's folder)
+from measure import against, against_table, free_port, write_section  # noqa: E402 (benchmarks/ is the script's folder)
 
 # (dim, ffn, layers) of the GaLore/SWAN LLaMA configurations.
 LLAMA = {"130M": (768, 2048, 12), "350M": (1024, 2736, 24), "1.3B": (2048, 5461, 24), "7B": (4096, 11008, 32)}
@@ -126,12 +125,6 @@ def planner_table(bucket_mb: float) -> str:
             "each) was at up to 1.13 (1.3B) and 1.39 (7B) at W=8 and 1.22 / 1.64 (7B) at W=64 against the "
             "whole-model bound.")
     return "\n".join(lines)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # name: (mode, preset, whole bucket in one phase); "owner-1p": no overlap of the exchange with the whitening
@@ -238,7 +231,7 @@ def run_steps(world: int, size: str, steps: int) -> list[tuple]:
     median whitening s or None)."""
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "res.pt")
-        mp.start_processes(_worker, args=(world, _free_port(), size, steps, out), nprocs=world, start_method="spawn")
+        mp.start_processes(_worker, args=(world, free_port(), size, steps, out), nprocs=world, start_method="spawn")
         return torch.load(out)
 
 

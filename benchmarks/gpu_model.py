@@ -25,7 +25,7 @@ from swan_dist.functional import WhitenConfig
 from swan_dist.plan import MatrixSpec
 from swan_dist.whitening import exchange_dtype_of, swan_cost, swan_plan
 
-from _report import write_section  # noqa: E402 (benchmarks/ is the script's folder)
+from measure import write_section  # noqa: E402 (benchmarks/ is the script's folder)
 from scale import Layout, MODELS, llama, measure  # noqa: E402
 
 NS10 = WhitenConfig(method="ns", steps=10, beta=0.8)  # SWAN†'s whitening

@@ -125,7 +125,7 @@ step gpu_step 120 $PY -m pytest -q -p no:cacheprovider tests/test_capturable.py
 # the step's time at 1.3B and 7B in bf16: SWAN‡ eager and captured in a CUDA graph against AdamW foreach / fused and
 # torch's Muon (writes `captured-step-cuda`); the whitening against its same-shape GEMMs at `small` and 1.3B's shapes
 step captured_step 200 $PY benchmarks/captured_step.py $([ "$CUDA" = 1 ] || echo "--sizes tiny --steps 2 --rounds 1")
-step whitening 90 $PY benchmarks/whitening.py "${NOWRITE[@]}"
+step whitening 90 $PY benchmarks/whitening.py "${NOWRITE[@]}" $([ "$CUDA" = 1 ] || echo "--size tiny --dtypes float32 --compile no --no-allocator-run")
 [ "$CUDA" = 1 ] && step whitening_1b3 60 $PY benchmarks/whitening.py --size 1b3 --dtypes bfloat16 --no-allocator-run
 # memory and iteration time at 1.3B and 7B, the in-backward iteration against the ordinary one
 if [ "$CUDA" = 1 ]; then

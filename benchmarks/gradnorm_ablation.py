@@ -15,7 +15,7 @@ import torch
 
 from swan_dist.reference.train import main as train_main
 
-from _report import write_section  # noqa: E402 (benchmarks/ is the script's folder)
+from measure import write_section  # noqa: E402 (benchmarks/ is the script's folder)
 
 CONFIG = Path(__file__).resolve().parent.parent / "configs" / "train" / "swan_ddagger_tiny.yaml"
 

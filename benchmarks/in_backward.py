@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import tempfile
 import time
@@ -22,7 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from _report import write_section  # noqa: E402 (benchmarks/ is the script's folder)
+from measure import free_port, write_section  # noqa: E402 (benchmarks/ is the script's folder)
 
 VARIANTS = ("ordinary", "in_backward")
 
@@ -79,12 +78,6 @@ def _worker(rank: int, world: int, port: int, args, out: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def measure(world: int, args) -> dict[str, float]:
     """Median iteration seconds per variant (the slowest rank's, at W > 1)."""
     if world == 1:
@@ -92,7 +85,7 @@ def measure(world: int, args) -> dict[str, float]:
         per_rank = [_times(args.size, 1, 0, args)]
     else:
         with tempfile.TemporaryDirectory() as out:
-            mp.spawn(_worker, args=(world, _free_port(), args, out), nprocs=world, join=True)
+            mp.spawn(_worker, args=(world, free_port(), args, out), nprocs=world, join=True)
             per_rank = [torch.load(os.path.join(out, f"{r}.pt")) for r in range(world)]
     return {n: max(statistics.median(t[n]) for t in per_rank) for n in VARIANTS}
 

@@ -33,7 +33,6 @@ import argparse
 import json
 import os
 import platform
-import socket
 import statistics
 import tempfile
 import time
@@ -48,7 +47,7 @@ from torch import nn
 
 from swan_dist.host_reads import HostReads
 
-from _report import against, against_table, write_section  # noqa: E402 (benchmarks/ is the script's folder)
+from measure import against, against_table, free_port, write_section  # noqa: E402 (benchmarks/ is the script's folder)
 
 TARGET = 2.0  # SWAN (whitening none) within 2x of AdamW (foreach) per tensor
 # The same script on the optimizer before the lean step (swan_dist/optimizer.py and adapter.py of commit
@@ -198,12 +197,6 @@ def measure(names, model, grads, steps, device, sync, barrier=lambda: None, coll
     return rows
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _worker(rank: int, world: int, port: int, layers: int, d: int, steps: int, names, out: str, cuda: bool) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if cuda:
@@ -228,7 +221,7 @@ def _worker(rank: int, world: int, port: int, layers: int, d: int, steps: int, n
 def run_world(world: int, layers: int, d: int, steps: int, names, cuda: bool) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rows.pt")
-        mp.start_processes(_worker, args=(world, _free_port(), layers, d, steps, names, out, cuda), nprocs=world,
+        mp.start_processes(_worker, args=(world, free_port(), layers, d, steps, names, out, cuda), nprocs=world,
                            start_method="spawn")
         return torch.load(out)
 

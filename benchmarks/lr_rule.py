@@ -44,7 +44,7 @@ HERE = Path(__file__).resolve().parent
 _spec = importlib.util.spec_from_file_location("convergence", HERE / "convergence.py")
 conv = sys.modules["convergence"] = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(conv)
-_report = conv._report
+measure = conv.measure
 
 TIED = "swan_ddagger"
 AT_ETA = "ddagger_fallback_eta"
@@ -300,15 +300,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     command = "python benchmarks/lr_rule.py" + ("" if not argv else " " + " ".join(argv))
     body = report(args, res, png, command)
     print(body)
-    saved = _report.DOC
+    saved = measure.DOC
     try:
-        _report.DOC = out
+        measure.DOC = out
         what = "Weight decay" if args.weight_decay > 0 else "Starting lrs"
-        _report.write_section(f"lr-rule-{device}-{args.name}",
+        measure.write_section(f"lr-rule-{device}-{args.name}",
                               f"{what} from AdamW's ({'GPU' if device == 'cuda' else 'CPU'}, "
                               f"{args.model if args.weight_decay > 0 else args.name})", body)
     finally:
-        _report.DOC = saved
+        measure.DOC = saved
     (work / "results.json").write_text(json.dumps(res, indent=1, default=str))
     return {**res, "out": str(out), "png": str(png)}
 

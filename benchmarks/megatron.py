@@ -44,7 +44,6 @@ import argparse
 import importlib.util
 import math
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -53,7 +52,7 @@ import warnings
 from pathlib import Path
 
 # This file is named megatron.py and megatron-core's ``megatron`` is a namespace package, which any
-# megatron.py on sys.path would shadow: this script's folder leaves sys.path (``_report`` is loaded by
+# megatron.py on sys.path would shadow: this script's folder leaves sys.path (``measure`` is loaded by
 # its path), and tests/ (the CPU harness) joins it.
 _HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE] + [str(_HERE.parent / "tests")]
@@ -68,14 +67,15 @@ warnings.filterwarnings("ignore", module=r"megatron\.")
 warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed\.")
 
 
-def _load_report():
-    spec = importlib.util.spec_from_file_location("_report", _HERE / "_report.py")
+def _load_measure():
+    spec = importlib.util.spec_from_file_location("measure", _HERE / "measure.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-write_section = _load_report().write_section
+_measure = _load_measure()
+write_section, free_port = _measure.write_section, _measure.free_port
 
 SEED = 1234
 
@@ -376,12 +376,6 @@ def _init(rank: int, world: int, local_rank: int) -> None:
         dist.init_process_group("gloo", rank=rank, world_size=world)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _table(rows: list[dict], a, world: int) -> str:
     if torch.cuda.is_available():
         device = f"{torch.cuda.get_device_name(0)}, NCCL, torch {torch.__version__}"
@@ -522,7 +516,7 @@ def main() -> None:
         world = a.world
         with tempfile.TemporaryDirectory() as d:
             out = os.path.join(d, "rows.pt")
-            mp.start_processes(_spawned, args=(world, _free_port(), out, a), nprocs=world, start_method="spawn")
+            mp.start_processes(_spawned, args=(world, free_port(), out, a), nprocs=world, start_method="spawn")
             rows = torch.load(out)
     body = (_sweep_table if a.sweep else _table)(rows, a, world)
     print(body)

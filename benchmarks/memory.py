@@ -34,7 +34,6 @@ Writes the ``memory-cpu`` section of docs/benchmarks.md and docs/results/memory-
 from __future__ import annotations
 
 import argparse
-import ctypes
 import gc
 import json
 import os
@@ -47,7 +46,7 @@ import time
 
 import torch
 
-from _report import write_section  # noqa: E402 (benchmarks/ is the script's folder)
+from measure import reset_hwm, rss_status, settle, write_section  # noqa: E402 (benchmarks/ is the script's folder)
 
 OPTIMIZERS = {
     "adamw": "AdamW (foreach)",
@@ -71,29 +70,6 @@ MiB = 2**20
 
 
 # ---------------------------------------------------------------------------------------------- child
-def _status() -> dict[str, int]:
-    """VmRSS and VmHWM of this process, in bytes."""
-    out = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(("VmRSS:", "VmHWM:")):
-                key, value = line.split(":", 1)
-                out[key] = int(value.split()[0]) * 1024  # kB
-    return out
-
-
-_LIBC = ctypes.CDLL("libc.so.6")
-
-
-def _settle() -> None:
-    """Drop what Python and glibc still hold of freed memory, so the RSS is what is live."""
-    gc.collect()
-    _LIBC.malloc_trim(0)
-
-
-def _reset_hwm() -> None:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # resets VmHWM to the current RSS (Linux >= 4.0)
 
 
 def _vocab(size: str) -> int:
@@ -328,8 +304,8 @@ def main_cuda(args) -> None:
 def child(size: str, name: str, args) -> dict:
     if args.estimate_child:
         return child_estimate(size, name, args)
-    _settle()
-    baseline = _status()["VmRSS"]
+    settle()
+    baseline = rss_status()["VmRSS"]
     t_build = time.perf_counter()
     model, cfg = _build(size)
     opts = _optimizers(name, model)
@@ -351,15 +327,15 @@ def child(size: str, name: str, args) -> dict:
     for _ in range(args.warmup):
         step()
     build_s = time.perf_counter() - t_build
-    _settle()
-    before = _status()["VmRSS"]
-    _reset_hwm()
+    settle()
+    before = rss_status()["VmRSS"]
+    reset_hwm()
     times = []
     for _ in range(args.steps):
         t0 = time.perf_counter()
         step()
         times.append(time.perf_counter() - t0)
-    hwm = _status()["VmHWM"]
+    hwm = rss_status()["VmHWM"]
     out = {"size": size, "optimizer": name, "params": n_params, "baseline_rss": baseline,
            "resident_between_steps": before - baseline, "peak_rss": hwm - baseline,
            "step_s": statistics.median(times), "build_warmup_s": build_s}

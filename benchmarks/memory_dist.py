@@ -45,7 +45,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 import sysconfig
 import tempfile
@@ -56,9 +55,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _report import write_section  # noqa: E402
-from memory import MiB, _reset_hwm, _settle, _status  # noqa: E402
-from memory_estimate import Marks, categories  # noqa: E402
+from measure import Marks, categories, free_port, reset_hwm, rss_status, settle, write_section  # noqa: E402
+from memory import MiB  # noqa: E402
 
 VARIANTS = {
     "adamw": "AdamW (torch, foreach)",
@@ -371,8 +369,8 @@ def _prepare(layout: str) -> None:
 
 def _rank(rank: int, world: int, layout: str, variant: str, args) -> dict:
     _prepare(layout)
-    _settle()
-    baseline = _status()["VmRSS"]
+    settle()
+    baseline = rss_status()["VmRSS"]
     cfg_vocab = 32000
     g = torch.Generator().manual_seed(rank + 1)
     tokens = torch.randint(0, cfg_vocab, (1, args.seq + 1), generator=g)
@@ -387,11 +385,11 @@ def _rank(rank: int, world: int, layout: str, variant: str, args) -> dict:
     for _ in range(args.warmup):
         run.iteration()
     dist.barrier()
-    _settle()
-    between = _status()["VmRSS"]
-    _reset_hwm()
+    settle()
+    between = rss_status()["VmRSS"]
+    reset_hwm()
     run.iteration()
-    hwm = _status()["VmHWM"]
+    hwm = rss_status()["VmHWM"]
     out = {"rank": rank, "rss_peak": hwm - baseline, "rss_between": between - baseline, "params": run.params,
            "inner": type(run.inners[0]).__name__}
 
@@ -463,17 +461,11 @@ def _worker(rank: int, world: int, port: int, layout: str, variant: str, args, p
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def measure(layout: str, variant: str, world: int, args, bucket_mb: float | None = None) -> list[dict]:
     a = argparse.Namespace(**{**vars(args), "bucket_mb": bucket_mb or args.bucket_mb})
     with tempfile.TemporaryDirectory() as d:
         t0 = time.perf_counter()
-        mp.spawn(_worker, args=(world, _free_port(), layout, variant, a, d), nprocs=world, join=True)
+        mp.spawn(_worker, args=(world, free_port(), layout, variant, a, d), nprocs=world, join=True)
         ranks = []
         for r in range(world):
             with open(os.path.join(d, f"{r}.json")) as f:

@@ -27,7 +27,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _report import write_section  # noqa: E402
+from measure import write_section  # noqa: E402
 
 from swan_dist.functional import WhitenConfig
 from swan_dist.plan import MatrixSpec, row_shard_ranges

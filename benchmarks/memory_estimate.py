@@ -15,10 +15,11 @@ run at the shape both run; ``benchmarks/memory_dist_scale.py`` traces the 7B and
 
 from __future__ import annotations
 
-import contextlib
 
 import torch
 import torch.distributed as dist
+
+from measure import categories, tracked_step
 
 LLAMA = {  # LLaMA-2 7B and 70B (70B: grouped-query attention, 8 key/value heads)
     "7b": dict(dim=4096, n_layers=32, n_heads=32, ffn_dim=11008),
@@ -40,10 +41,6 @@ def model_config(size: str):
     return model_config(size, vocab_size=32000)
 
 
-def categories(snapshot) -> dict[str, int]:
-    return {getattr(k, "value", str(k)): int(v) for k, v in snapshot.get(torch.device("cpu"), {}).items()}
-
-
 def optimizer(variant: str, model, bucket_mb: float):
     """torch's AdamW or SWAN‡ in the benchmark's variants (see :data:`TRACED`)."""
     if variant == "adamw":
@@ -53,58 +50,6 @@ def optimizer(variant: str, model, bucket_mb: float):
     return swan_dist.SWAN(model, preset="swan_ddagger", verbose=False, bucket_mb=bucket_mb,
                           mode="replicated" if variant == "replicated" else "owner",
                           step_in_backward=variant == "backward")
-
-
-class Marks:
-    """The peak inside a window (the optimizer's step, the framework's) minus the live bytes as it opens,
-    the largest over the window's calls (ZeRO-3 steps its optimizer once per sub-group), by category at
-    that peak (MemTracker's or FSDPMemTracker's, on the CPU); the tracker's whole-step peak is kept."""
-
-    NAMES = {"step": ("live_before_step", "step_peak", "step_peak_categories", "transient"),
-             "framework": ("framework_live_before", "framework_peak", "framework_peak_categories",
-                           "framework_transient")}
-
-    def __init__(self, tracker) -> None:
-        self.tracker, self.out = tracker, {}
-
-    def wrap(self, obj, attr: str, key: str) -> None:
-        inner = getattr(obj, attr)
-
-        def call(*a, **k):
-            with self.window(key):
-                return inner(*a, **k)
-
-        setattr(obj, attr, call)
-
-    @contextlib.contextmanager
-    def window(self, key: str):
-        t, dev = self.tracker, torch.device("cpu")
-        before = dict(t.get_tracker_snapshot("current").get(dev, {}))
-        total = next((int(v) for k, v in before.items() if getattr(k, "value", k) == "Total"), 0)
-        self.out.setdefault("peak_before_" + key, max(t._peak_mem.values(), default=0))
-        saved, saved_snap = t._peak_mem, t._peak_mem_snap
-        t._peak_mem, t._peak_mem_snap = {dev: total}, {dev: before}
-        try:
-            yield
-        finally:
-            peak = max(t._peak_mem.values(), default=0)
-            live, top, cats, transient = self.NAMES[key]
-            if peak - total >= self.out.get(transient, -1):
-                self.out.update({live: total, top: peak, cats: categories(t.get_tracker_snapshot("peak")),
-                                 transient: peak - total})
-            if max(saved.values(), default=0) >= peak:  # keep the whole step's peak
-                t._peak_mem, t._peak_mem_snap = saved, saved_snap
-
-
-
-def tracked_step(fwd_bwd, step, tracker) -> dict[str, int]:
-    """One step under ``tracker`` (a MemTracker already entered): ``fwd_bwd()`` then ``step()`` in a
-    :class:`Marks` window; the tracker's peak is left at the whole step's."""
-    fwd_bwd()
-    marks = Marks(tracker)
-    with marks.window("step"):
-        step()
-    return marks.out
 
 
 def transient_bound(opt) -> dict | None:

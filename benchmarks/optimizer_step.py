@@ -23,7 +23,7 @@ from swan_dist.functional import cpu_has_native_bf16
 from swan_dist.reference.baselines import adamw_kernel
 from swan_dist.reference.model import Llama, model_config
 
-from _report import write_section  # noqa: E402 (benchmarks/ is the script's folder)
+from measure import write_section  # noqa: E402 (benchmarks/ is the script's folder)
 
 
 def _state_bytes(opt: torch.optim.Optimizer) -> int:

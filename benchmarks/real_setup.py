@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _report import write_section  # noqa: E402
+from measure import write_section  # noqa: E402
 
 GiB = 2**30
 SIZES = {"1b3": ("LLaMA 1.3B", 1.34e9, 32000 * 2048), "7b": ("LLaMA 7B", 6.74e9, 32000 * 4096),
@@ -200,8 +200,8 @@ def main() -> None:
     text = report(args, rows)
     print(text)
     if not args.no_write:
-        write_section("real-setup", "What SWAN saves and costs in a real setup: FSDP2 mixed precision, "
-                      "LLaMA 1.3B-70B at W = 8-1,024", text)
+        write_section("real-setup", "What SWAN saves and costs in a real setup (traced, no device): FSDP2 mixed "
+                      "precision, LLaMA 1.3B-70B at W = 8-1,024", text)
 
 
 if __name__ == "__main__":

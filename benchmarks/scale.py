@@ -43,7 +43,7 @@ from swan_dist.functional import WhitenConfig
 from swan_dist.plan import MatrixSpec, Plan, row_shard_ranges
 from swan_dist.whitening import swan_exchange, swan_plan
 
-from _report import write_section  # noqa: E402 (benchmarks/ is the script's folder)
+from measure import write_section  # noqa: E402 (benchmarks/ is the script's folder)
 
 META = torch.device("meta")
 DTYPE = torch.bfloat16

@@ -35,9 +35,9 @@ TESTS = os.path.join(ROOT, "tests")
 sys.path = [p for p in sys.path if os.path.abspath(p or os.getcwd()) != HERE] + [TESTS]
 
 
-def _report():
+def _measure():
     import importlib.util
-    spec = importlib.util.spec_from_file_location("_report", os.path.join(HERE, "_report.py"))
+    spec = importlib.util.spec_from_file_location("measure", os.path.join(HERE, "measure.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -288,7 +288,7 @@ def main() -> None:
     args = ap.parse_args()
     from importlib.metadata import version
     args.version = version("torchtitan")
-    write_section = _report().write_section
+    write_section = _measure().write_section
     if args.planning_only:
         sys.path.insert(0, TESTS)
         import torchtitan_harness

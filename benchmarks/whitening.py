@@ -44,7 +44,7 @@ import torch
 from swan_dist.functional import WhitenConfig, swan_update
 from swan_dist.reference.model import Llama, model_config
 
-from _report import write_section  # noqa: E402 (benchmarks/ is the script's folder)
+from measure import write_section  # noqa: E402 (benchmarks/ is the script's folder)
 
 PRESETS = {"SWAN‡ (NSDS 2)": WhitenConfig("nsds", 2, 0.4), "SWAN† (NS 10)": WhitenConfig("ns", 10, 0.8)}
 

@@ -1,20 +1,31 @@
-"""Write a benchmark's results into its own section of docs/benchmarks.md (other sections kept), and the
-same results as JSON in docs/results/<section>.json: provenance (date, script, command, commit, host CPU,
-GPU) and every Markdown table of the section as rows of cells, for tools and later comparisons."""
+"""The measuring every benchmark shares, so that a measurement changes in one place: timing by rounds,
+peak memory (resident: ``VmHWM``; live tensors: torch's ``MemTracker`` / ``FSDPMemTracker``, also traced on
+fake tensors), free ports for spawned ranks, and the report: a section of docs/benchmarks.md (other
+sections kept) written with its provenance stamp (date, script, command, commit, host CPU, GPU), the same
+results as JSON in docs/results/<section>.json (every Markdown table as rows of cells), and runs of a
+script against another commit. A script answers one question; what it measures with is here."""
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import datetime
+import gc
 import json
+import os
 import platform
 import re
 import shlex
+import socket
+import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Callable
 
-DOC = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
+_DOCS = Path(__file__).resolve().parent.parent / "docs"
+DOC = _DOCS / "benchmarks.md"  # the page write_section writes (convergence.md for the convergence scripts)
 HEADER = (
     "# Benchmarks\n\n"
     "Every figure here is written by a script under `benchmarks/`, measured side by side in one run; "
@@ -86,7 +97,19 @@ def tables(body: str) -> list[dict[str, list]]:
 
 
 def write_section(key: str, title: str, body: str) -> None:
+    """Section ``key`` of docs/benchmarks.md (or, for ``DOC`` set elsewhere, that page) replaced by ``title``,
+    the stamp and ``body``; its JSON record beside. Figures come from a clean commit: where the checkout has
+    uncommitted changes (other than earlier benchmarks' reports) a section of the repository's docs is not
+    written but left in /tmp/<key>.md, unless ``SWAN_BENCH_ALLOW_CHANGES=1`` (the stamp then says ``+changes``); measure from a
+    clean checkout of the commit (``git worktree add``) to leave others' edits where they are."""
     prov = provenance()
+    if (prov["commit"].endswith("+changes") and DOC.parent == _DOCS
+            and os.environ.get("SWAN_BENCH_ALLOW_CHANGES") != "1"):
+        side = Path("/tmp") / f"{key}.md"
+        side.write_text(f"## {title}\n\n{stamp(prov)}\n\n{body}\n")
+        raise SystemExit(f"{DOC.name}: section {key!r} not written: the checkout has uncommitted changes (commit "
+                         f"{prov['commit']}); it is in {side}. Commit, then measure (SWAN_BENCH_ALLOW_CHANGES=1 "
+                         "writes it stamped +changes)")
     text = DOC.read_text() if DOC.exists() else HEADER
     block = f"<!-- begin:{key} -->\n## {title}\n\n{stamp(prov)}\n\n{body}\n<!-- end:{key} -->"
     pattern = re.compile(rf"<!-- begin:{re.escape(key)} -->.*?<!-- end:{re.escape(key)} -->", re.S)
@@ -122,20 +145,12 @@ def export(doc: Path) -> list[Path]:
     return out
 
 
-if __name__ == "__main__":  # python benchmarks/_report.py: docs/results/*.json from the Markdown sections
-    for page in (DOC, DOC.parent / "convergence.md"):
-        if page.exists():
-            for path in export(page):
-                print(path.relative_to(DOC.parent.parent))
-
-
 def against(commit: str, script: str, argv: list[str], rounds: int = 2) -> tuple[list[list[dict]], list[list[dict]]]:
     """``script`` (this checkout's benchmark) run ``rounds`` times on this checkout's swan_dist and as many on
     ``commit``'s (its ``swan_dist/``, ``integrations/`` and ``configs/`` put first on PYTHONPATH; a module the benchmark
     needs that the commit lacks, such as ``swan_dist/host_reads.py``, taken from this checkout), in turn
     (new, old, new, old: a load change on the machine hits both alike). Each run gets ``argv`` plus
     ``--no-write --json FILE`` and writes its rows there; returns (this checkout's runs, the commit's)."""
-    import os
     import shutil
     import tempfile
 
@@ -193,3 +208,178 @@ def against_table(commit: str, new: list[list[dict]], old: list[list[dict]], gro
         line = f"| {g} | {name} | {t * 1e3:.2f} | {t0 * 1e3:.2f} | {t / t0:.2f}x | {ratios[(g, name)][1]:.2f}x |"
         lines.append(f"{line} {extra[1](r, r0)} |" if extra else line)
     return lines, ratios
+
+
+# ------------------------------------------------------------------------------------------ processes
+def free_port() -> int:
+    """A free TCP port on loopback, for a spawned group's ``MASTER_PORT``."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn(fn: Callable, world: int, *args) -> list:
+    """``fn(rank, world, *args)`` in ``world`` spawned processes (one thread each, torchrun's environment set:
+    ``MASTER_ADDR``/``PORT``, ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``; ``fn`` starts its process group); the
+    JSON results, in rank order."""
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as out:
+        mp.start_processes(_spawned, args=(world, free_port(), out, fn, args), nprocs=world, start_method="spawn")
+        return [json.loads((Path(out) / f"{r}.json").read_text()) for r in range(world)]
+
+
+def _spawned(rank: int, world: int, port: int, out: str, fn: Callable, args: tuple) -> None:
+    import torch
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    (Path(out) / f"{rank}.json").write_text(json.dumps(fn(rank, world, *args)))
+
+
+# ------------------------------------------------------------------------------------------ time
+def median_time(step: Callable[[], object], steps: int, warmup: int = 0, sync: Callable[[], object] = lambda: None,
+                before: Callable[[int], object] = lambda k: None) -> tuple[float, list[float]]:
+    """``step()`` timed ``steps`` times after ``warmup`` untimed calls: (median seconds, every time).
+    ``sync`` waits for the device (and peers) before each clock read; ``before(k)`` runs untimed before
+    call k (a scheduler's step, new gradients)."""
+    times = []
+    for k in range(warmup + steps):
+        before(k)
+        sync()
+        t0 = time.perf_counter()
+        step()
+        sync()
+        if k >= warmup:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times), times
+
+
+def best_round(rounds: int, run: Callable[[], float]) -> float:
+    """The best of ``rounds`` runs' results (each a median time): a round slowed by the machine counts least."""
+    return min(run() for _ in range(rounds))
+
+
+# ------------------------------------------------------------------------------------------ memory: resident
+def rss_status() -> dict[str, int]:
+    """VmRSS and VmHWM of this process, in bytes."""
+    out = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(("VmRSS:", "VmHWM:")):
+                key, value = line.split(":", 1)
+                out[key] = int(value.split()[0]) * 1024  # kB
+    return out
+
+
+def settle() -> None:
+    """Drop what Python and glibc still hold of freed memory, so the RSS is what is live."""
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+def reset_hwm() -> None:
+    """Reset VmHWM to the current RSS (Linux >= 4.0), so that the next read is the peak since."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+# ------------------------------------------------------------------------------------------ memory: live tensors
+def categories(snapshot) -> dict[str, int]:
+    """A MemTracker snapshot's bytes per category on the CPU (``Total`` included)."""
+    import torch
+
+    return {getattr(k, "value", str(k)): int(v) for k, v in snapshot.get(torch.device("cpu"), {}).items()}
+
+
+class Marks:
+    """The peak inside a window (the optimizer's step, the framework's) minus the live bytes as it opens,
+    the largest over the window's calls (ZeRO-3 steps its optimizer once per sub-group), by category at
+    that peak (MemTracker's or FSDPMemTracker's, on the CPU); the tracker's whole-step peak is kept."""
+
+    NAMES = {"step": ("live_before_step", "step_peak", "step_peak_categories", "transient"),
+             "framework": ("framework_live_before", "framework_peak", "framework_peak_categories",
+                           "framework_transient")}
+
+    def __init__(self, tracker) -> None:
+        self.tracker, self.out = tracker, {}
+
+    def wrap(self, obj, attr: str, key: str) -> None:
+        inner = getattr(obj, attr)
+
+        def call(*a, **k):
+            with self.window(key):
+                return inner(*a, **k)
+
+        setattr(obj, attr, call)
+
+    @contextlib.contextmanager
+    def window(self, key: str):
+        import torch
+
+        t, dev = self.tracker, torch.device("cpu")
+        before = dict(t.get_tracker_snapshot("current").get(dev, {}))
+        total = next((int(v) for k, v in before.items() if getattr(k, "value", k) == "Total"), 0)
+        self.out.setdefault("peak_before_" + key, max(t._peak_mem.values(), default=0))
+        saved, saved_snap = t._peak_mem, t._peak_mem_snap
+        t._peak_mem, t._peak_mem_snap = {dev: total}, {dev: before}
+        try:
+            yield
+        finally:
+            peak = max(t._peak_mem.values(), default=0)
+            live, top, cats, transient = self.NAMES[key]
+            if peak - total >= self.out.get(transient, -1):
+                self.out.update({live: total, top: peak, cats: categories(t.get_tracker_snapshot("peak")),
+                                 transient: peak - total})
+            if max(saved.values(), default=0) >= peak:  # keep the whole step's peak
+                t._peak_mem, t._peak_mem_snap = saved, saved_snap
+
+
+def tracked_step(fwd_bwd, step, tracker) -> dict[str, int]:
+    """One step under ``tracker`` (a MemTracker already entered): ``fwd_bwd()`` then ``step()`` in a
+    :class:`Marks` window; the tracker's peak is left at the whole step's."""
+    fwd_bwd()
+    marks = Marks(tracker)
+    with marks.window("step"):
+        step()
+    return marks.out
+
+
+def traced(world: int, rank: int = 0):
+    """``with traced(W, r):`` this process is rank ``r`` of ``W`` on torch's fake process group (every
+    collective returns at once, nothing moves), for a step traced under ``FakeTensorMode``."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    @contextlib.contextmanager
+    def group():
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()
+
+    return group()
+
+
+# ------------------------------------------------------------------------------------------ plots
+def save_plot(fig, path: Path | str, dpi: int | None = None) -> None:
+    """``fig`` (matplotlib) written to ``path`` and closed."""
+    import matplotlib.pyplot as plt
+
+    fig.savefig(path, **({"dpi": dpi} if dpi else {}))
+    plt.close(fig)
+
+
+if __name__ == "__main__":  # python benchmarks/measure.py: docs/results/*.json from the Markdown sections
+    for page in (DOC, DOC.parent / "convergence.md"):
+        if page.exists():
+            for path in export(page):
+                print(path.relative_to(DOC.parent.parent))
+
+

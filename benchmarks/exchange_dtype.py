@@ -1,0 +1,117 @@
+"""What ``SWAN(exchange_dtype=...)`` sends and whether it changes training, at W = 2 (gloo, CPU):
+
+1. bytes per step: the reference LLaMA under FSDP2 with ``MixedPrecisionPolicy(param_dtype=bf16,
+   reduce_dtype=fp32)`` (fp32 shards and gradients), three steps on random tokens, the bytes rank 0's owner
+   exchange sent per step with the parameters' dtype (``param``: fp32 here), bf16 (what ``auto`` sends where
+   SWAN‡ whitens in bf16: on GPUs) and fp32;
+2. the loss: the reference trainer (FSDP2, the wiki corpus) with SWAN‡ and each exchange dtype, per seed,
+   the final validation loss; the two dtypes side by side against the seeds' spread.
+
+    python benchmarks/exchange_dtype.py                       # tiny and small, seeds 0 and 1
+    python benchmarks/exchange_dtype.py --sizes tiny --steps 20 --no-write
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from measure import spawn, write_section  # noqa: E402
+
+DTYPES = ("param", "bf16", "fp32")
+
+
+def _bytes(rank, world, size):
+    """Bytes per step rank's exchange sent, per exchange dtype, under FSDP2 mixed precision."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    import swan_dist
+    from swan_dist.reference.model import Llama, model_config
+
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (world,))
+    out = {}
+    for xd in DTYPES:
+        torch.manual_seed(0)
+        model = Llama(model_config(size, vocab_size=1024))
+        mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for unit in (*model.layers, model):
+            fully_shard(unit, mesh=mesh, mp_policy=mp_policy)
+        opt = swan_dist.SWAN(model, verbose=False, exchange_dtype=xd)
+        tokens = torch.randint(0, 1024, (2, 65), generator=torch.Generator().manual_seed(rank))
+        for _ in range(3):
+            opt.zero_grad()
+            model(tokens[:, :-1], tokens[:, 1:])[1].backward()
+            opt.step()
+        out[xd] = {"bytes_per_step": opt.exchange.bytes_sent / 3,
+                   "shard_dtype": str(next(model.parameters()).dtype)}
+    dist.destroy_process_group()
+    return out
+
+
+def _train(rank, world, size, steps, seed, xd, out_dir):
+    from swan_dist.reference.train import main
+
+    summary = main(["--set", f"model.size={size}", "data=wiki", "seq_len=128", "batch_size=16", f"steps={steps}",
+                    "optimizer=swan", "preset=swan_ddagger", "lr=null", "weight_decay=0.0", "parallel=fsdp2",
+                    f"seed={seed}", f"eval_every={steps}", "eval_batches=8", f"log_every={steps}",
+                    f"out_dir={out_dir}", "save_model=false", "checkpoint_every=0", "resume=never",
+                    f"swan_options.exchange_dtype={xd}"])
+    return {"final_val_loss": summary["final_val_loss"]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", default="tiny,small")
+    ap.add_argument("--seeds", default="0,1")
+    ap.add_argument("--steps", type=int, default=250, help="trainer steps per run (16 x 128 tokens each)")
+    ap.add_argument("--no-write", action="store_true")
+    args = ap.parse_args()
+    sizes, seeds = args.sizes.split(","), [int(s) for s in args.seeds.split(",")]
+    lines = ["**Bytes per step** (rank 0's owner exchange, both directions; FSDP2, "
+             "`MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`, fp32 shards, W = 2):", "",
+             "| model | `param` (fp32 shards) | `bf16` | `fp32` | bf16 / param |", "|---|---:|---:|---:|---:|"]
+    for size in sizes:
+        b = spawn(_bytes, 2, size)[0]
+        assert b["param"]["shard_dtype"] == "torch.float32", b
+        p, h, f = (b[x]["bytes_per_step"] for x in DTYPES)
+        lines.append(f"| {size} | {p / 2**10:,.1f} KiB | {h / 2**10:,.1f} KiB | {f / 2**10:,.1f} KiB | {h / p:.2f} |")
+        print(lines[-1], flush=True)
+    lines += ["", f"**Loss** (the reference trainer, FSDP2 at W = 2, fp32, wiki, {args.steps} steps of 16 x 128 tokens, "
+              "SWAN‡ at its preset lr; final validation loss per seed):", "",
+              "| model | exchange | " + " | ".join(f"seed {s}" for s in seeds) + " | mean | bf16 - param | seeds' spread (param) |",
+              "|---|---|" + "---:|" * (len(seeds) + 3)]
+    for size in sizes:
+        loss = {}
+        for xd in ("param", "bf16"):
+            loss[xd] = []
+            for seed in seeds:
+                with tempfile.TemporaryDirectory() as out:
+                    loss[xd].append(spawn(_train, 2, size, args.steps, seed, xd, out)[0]["final_val_loss"])
+                print(f"{size} {xd} seed {seed}: {loss[xd][-1]:.4f}", flush=True)
+        spread = max(loss["param"]) - min(loss["param"])
+        for xd in ("param", "bf16"):
+            diff = statistics.mean(loss["bf16"]) - statistics.mean(loss["param"])
+            lines.append(f"| {size} | `{xd}` | " + " | ".join(f"{v:.4f}" for v in loss[xd])
+                         + f" | {statistics.mean(loss[xd]):.4f} | " + (f"{diff:+.4f} | {spread:.4f} |" if xd == "bf16"
+                                                                      else "| |"))
+    lines += ["", "**Reading it.** With fp32 shards, as FSDP2 mixed precision keeps them, the bf16 exchange sends half "
+              "the bytes of the parameters' dtype (gradient and update pieces alike; the finite flags ride along). "
+              "On this CPU SWAN‡ whitens in fp32, so `auto` sends `param` here; on a GPU it sends bf16. The loss "
+              "columns show whether the bf16 exchange moves the final loss by more than the seeds do."]
+    text = "\n".join(lines)
+    print(text)
+    if not args.no_write:
+        write_section("exchange-dtype-cpu", "Exchange dtype (CPU, W=2): bytes per step and the loss", text)
+
+
+if __name__ == "__main__":
+    main()
