@@ -82,11 +82,15 @@ def building_engine():
         return None
     from deepspeed.runtime.engine import DeepSpeedEngine
 
+    # only the engine's own frames are asked for their locals: reading a frame's f_locals keeps a snapshot of
+    # them on the frame, so asking every caller's would hold what they had (a model later deleted) while they run
+    methods = {f.__code__ for f in vars(DeepSpeedEngine).values() if hasattr(f, "__code__")}
     frame = sys._getframe(1)
     while frame is not None:
-        engine = frame.f_locals.get("self")
-        if isinstance(engine, DeepSpeedEngine):
-            return engine
+        if frame.f_code in methods:
+            engine = frame.f_locals.get("self")
+            if isinstance(engine, DeepSpeedEngine):
+                return engine
         frame = frame.f_back
     return None
 

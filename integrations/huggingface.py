@@ -73,13 +73,28 @@ def calling_trainer():
         return None
     from transformers.trainer import Trainer
 
-    frame = sys._getframe(1)
-    while frame is not None:
+    for frame in _trainer_frames(Trainer):
         owner = frame.f_locals.get("self")
         if isinstance(owner, Trainer):
             return owner
-        frame = frame.f_back
     return None
+
+
+def _trainer_frames(trainer: type) -> list:
+    """The frames up the call stack that run a method of ``trainer`` or of a subclass (a user's Trainer), innermost
+    first: only these are asked for their locals, since reading a frame's ``f_locals`` leaves a snapshot of them on
+    the frame while it runs (asking every caller's would hold what it had, a model deleted since, alive)."""
+    codes, todo = set(), [trainer]
+    while todo:
+        cls = todo.pop()
+        todo += cls.__subclasses__()
+        codes |= {f.__code__ for f in vars(cls).values() if hasattr(f, "__code__")}
+    frames, frame = [], sys._getframe(1)
+    while frame is not None:
+        if frame.f_code in codes:
+            frames.append(frame)
+        frame = frame.f_back
+    return frames
 
 
 def trainer_args():
@@ -97,15 +112,13 @@ def trainer_model(params: Sequence[Tensor]) -> nn.Module | None:
     from transformers.trainer import Trainer
 
     ids = {id(p) for p in params}
-    frame = sys._getframe(1)
-    while frame is not None:
+    for frame in _trainer_frames(Trainer):
         owner = frame.f_locals.get("self")
         if isinstance(owner, Trainer):
             for model in (frame.f_locals.get("opt_model"), getattr(owner, "model_wrapped", None),
                           getattr(owner, "model", None)):
                 if isinstance(model, nn.Module) and ids <= {id(p) for p in model.parameters()}:
                     return model
-        frame = frame.f_back
     return None
 
 

@@ -357,3 +357,32 @@ def test_maximize_is_left_out_and_a_negated_loss_gives_the_exactly_negated_step(
         deltas.append([p.detach() - q for p, q in zip(model.parameters(), before)])
     for up, down in zip(*deltas):
         torch.testing.assert_close(up, -down, atol=1e-7, rtol=0)
+
+
+LEAK_PROBE = """
+import gc, weakref
+import deepspeed, transformers.trainer  # loaded: SWAN looks up the stack for their engine and Trainer
+import torch
+from torch import nn
+import swan_dist
+
+def build_and_drop(bare):
+    m = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    ref = weakref.ref(m[0].weight)
+    opt = swan_dist.SWAN(list(m.parameters()) if bare else m, lr=0.01, verbose=False)
+    del m, opt
+    gc.collect()
+    return ref() is None
+
+print(build_and_drop(False), build_and_drop(True))
+"""
+
+
+def test_a_dropped_model_and_optimizer_are_freed_with_deepspeed_and_the_trainer_loaded():
+    """SWAN finds DeepSpeed's engine and the Trainer up the call stack by their own frames only: reading every
+    caller's locals left a snapshot on the caller's frame, which kept a model it had deleted alive."""
+    import subprocess
+
+    done = subprocess.run([sys.executable, "-c", LEAK_PROBE], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split()[-2:] == ["True", "True"], done.stdout
