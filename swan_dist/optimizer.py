@@ -64,6 +64,18 @@ def _as_groups(params: Iterable[Any] | nn.Module, include: list[str], exclude: l
     return params
 
 
+def _refuse_as_torch(params: Any, maximize: bool) -> None:
+    """A tensor as ``params`` (torch's Optimizer: not an iterable of parameters), and ``maximize=True``."""
+    if isinstance(params, Tensor):
+        raise TypeError("params argument given to the optimizer should be an iterable of Tensors or dicts, "
+                        f"but got {torch.typename(params)}")
+    if maximize is not False:
+        raise ValueError(
+            "swan_dist: SWAN has no maximize=True: its update is odd in the gradient (GradNorm, whitening and "
+            "rescale, and each fallback rule, AdamW's included, turn a negated gradient into the exactly "
+            "negated update), so maximizing f is minimizing -f: call (-f).backward() and step as usual")
+
+
 class SWAN(EngineSide, torch.optim.Optimizer):
     """SWAN: SGD with Whitening And Normalization (arXiv 2412.13148).
 
@@ -179,14 +191,7 @@ class SWAN(EngineSide, torch.optim.Optimizer):
         capturable: bool = False,
         maximize: bool = False,
     ) -> None:
-        if isinstance(params, Tensor):  # torch's Optimizer: a tensor is not an iterable of parameters
-            raise TypeError("params argument given to the optimizer should be an iterable of Tensors or dicts, "
-                            f"but got {torch.typename(params)}")
-        if maximize is not False:
-            raise ValueError(
-                "swan_dist: SWAN has no maximize=True: its update is odd in the gradient (GradNorm, whitening and "
-                "rescale, and each fallback rule, AdamW's included, turn a negated gradient into the exactly "
-                "negated update), so maximizing f is minimizing -f: call (-f).backward() and step as usual")
+        _refuse_as_torch(params, maximize)
         self.preset, defaults = resolve(preset, dict(
             lr=lr, alpha=alpha, whitening=whitening, ns_steps=ns_steps, beta=beta, grad_norm=grad_norm,
             whiten_dtype=whiten_dtype, weight_decay=weight_decay, fallback=fallback, betas=betas,
