@@ -258,6 +258,27 @@ def median_time(step: Callable[[], object], steps: int, warmup: int = 0, sync: C
     return statistics.median(times), times
 
 
+def turns(calls: dict[str, Callable[[], object]], steps: int, warmup: int = 0,
+          sync: Callable[[], object] = lambda: None, before: Callable[[str, int], object] = lambda name, k: None,
+          after: Callable[[str, float], object] = lambda name, t: t) -> dict[str, list]:
+    """Each of ``calls`` timed in turn, one call each per round (a load change on the machine hits all alike),
+    ``steps`` rounds after ``warmup``: per name, ``after(name, seconds)`` of each timed call (by default the
+    seconds). ``before(name, k)`` runs untimed before the call of round k, ``after`` untimed after it (a
+    barrier, a scheduler's step, the slowest rank's time)."""
+    out: dict[str, list] = {name: [] for name in calls}
+    for k in range(warmup + steps):
+        for name, call in calls.items():
+            before(name, k)
+            sync()
+            t0 = time.perf_counter()
+            call()
+            sync()
+            t = after(name, time.perf_counter() - t0)
+            if k >= warmup:
+                out[name].append(t)
+    return out
+
+
 def best_round(rounds: int, run: Callable[[], float]) -> float:
     """The best of ``rounds`` runs' results (each a median time): a round slowed by the machine counts least."""
     return min(run() for _ in range(rounds))
