@@ -210,6 +210,18 @@ def against_table(commit: str, new: list[list[dict]], old: list[list[dict]], gro
     return lines, ratios
 
 
+def parser(doc: str, **options) -> argparse.ArgumentParser:
+    """A script's command line: ``doc`` (its docstring) as the description, one option per keyword typed as its
+    default (int, float or str; ``query_groups=4`` is ``--query-groups 4``) and ``--no-write``."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    for name, default in options.items():
+        ap.add_argument("--" + name.replace("_", "-"), type=type(default), default=default)
+    ap.add_argument("--no-write", action="store_true", help="print only, leave docs/ as it is")
+    return ap
+
+
 # ------------------------------------------------------------------------------------------ processes
 def free_port() -> int:
     """A free TCP port on loopback, for a spawned group's ``MASTER_PORT``."""
