@@ -1,11 +1,6 @@
-"""What ``SWAN(exchange_dtype=...)`` sends and whether it changes training, at W = 2 (gloo, CPU):
-
-1. bytes per step: the reference LLaMA under FSDP2 with ``MixedPrecisionPolicy(param_dtype=bf16,
-   reduce_dtype=fp32)`` (fp32 shards and gradients), three steps on random tokens, the bytes rank 0's owner
-   exchange sent per step with the parameters' dtype (``param``: fp32 here), bf16 (what ``auto`` sends where
-   SWAN‡ whitens in bf16: on GPUs) and fp32;
-2. the loss: the reference trainer (FSDP2, the wiki corpus) with SWAN‡ and each exchange dtype, per seed,
-   the final validation loss; the two dtypes side by side against the seeds' spread.
+"""What ``SWAN(exchange_dtype=...)`` sends and whether it changes training, at W = 2 (gloo, CPU): the bytes rank 0's
+owner exchange sends per step under FSDP2 mixed precision with each exchange dtype, and the reference trainer's final
+validation loss (FSDP2, wiki, SWAN‡) with ``param`` and ``bf16`` per seed; the exchange-dtype-cpu section.
 
     python benchmarks/exchange_dtype.py                       # tiny and small, seeds 0 and 1
     python benchmarks/exchange_dtype.py --sizes tiny --steps 20 --no-write
@@ -14,21 +9,18 @@
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import sys
 import tempfile
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from measure import spawn, write_section  # noqa: E402
+from measure import spawn, write_section  # the script's folder is on sys.path
 
 DTYPES = ("param", "bf16", "fp32")
 
 
 def _bytes(rank, world, size):
-    """Bytes per step rank's exchange sent, per exchange dtype, under FSDP2 mixed precision."""
+    """Bytes per step rank's exchange sent, per exchange dtype, under FSDP2 mixed precision (3 steps, random tokens)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -51,8 +43,7 @@ def _bytes(rank, world, size):
             opt.zero_grad()
             model(tokens[:, :-1], tokens[:, 1:])[1].backward()
             opt.step()
-        out[xd] = {"bytes_per_step": opt.exchange.bytes_sent / 3,
-                   "shard_dtype": str(next(model.parameters()).dtype)}
+        out[xd] = {"bytes_per_step": opt.exchange.bytes_sent / 3, "shard_dtype": str(next(model.parameters()).dtype)}
     dist.destroy_process_group()
     return out
 
@@ -82,27 +73,25 @@ def main() -> None:
     for size in sizes:
         b = spawn(_bytes, 2, size)[0]
         assert b["param"]["shard_dtype"] == "torch.float32", b
-        p, h, f = (b[x]["bytes_per_step"] for x in DTYPES)
-        lines.append(f"| {size} | {p / 2**10:,.1f} KiB | {h / 2**10:,.1f} KiB | {f / 2**10:,.1f} KiB | {h / p:.2f} |")
+        p, h, f = (b[x]["bytes_per_step"] / 2**10 for x in DTYPES)
+        lines.append(f"| {size} | {p:,.1f} KiB | {h:,.1f} KiB | {f:,.1f} KiB | {h / p:.2f} |")
         print(lines[-1], flush=True)
-    lines += ["", f"**Loss** (the reference trainer, FSDP2 at W = 2, fp32, wiki, {args.steps} steps of 16 x 128 tokens, "
-              "SWAN‡ at its preset lr; final validation loss per seed):", "",
-              "| model | exchange | " + " | ".join(f"seed {s}" for s in seeds) + " | mean | bf16 - param | seeds' spread (param) |",
-              "|---|---|" + "---:|" * (len(seeds) + 3)]
+    lines += ["", f"**Loss** (the reference trainer, FSDP2 at W = 2, fp32, wiki, {args.steps} steps of 16 x 128 "
+              "tokens, SWAN‡ at its preset lr; final validation loss per seed):", "",
+              f"| model | exchange | {' | '.join(f'seed {s}' for s in seeds)} | mean | bf16 - param | seeds' spread "
+              "(param) |", "|---|---|" + "---:|" * (len(seeds) + 3)]
     for size in sizes:
-        loss = {}
-        for xd in ("param", "bf16"):
-            loss[xd] = []
+        loss = {"param": [], "bf16": []}
+        for xd in loss:
             for seed in seeds:
                 with tempfile.TemporaryDirectory() as out:
                     loss[xd].append(spawn(_train, 2, size, args.steps, seed, xd, out)[0]["final_val_loss"])
                 print(f"{size} {xd} seed {seed}: {loss[xd][-1]:.4f}", flush=True)
-        spread = max(loss["param"]) - min(loss["param"])
-        for xd in ("param", "bf16"):
-            diff = statistics.mean(loss["bf16"]) - statistics.mean(loss["param"])
-            lines.append(f"| {size} | `{xd}` | " + " | ".join(f"{v:.4f}" for v in loss[xd])
-                         + f" | {statistics.mean(loss[xd]):.4f} | " + (f"{diff:+.4f} | {spread:.4f} |" if xd == "bf16"
-                                                                      else "| |"))
+        mean = {xd: statistics.mean(v) for xd, v in loss.items()}
+        last = f"{mean['bf16'] - mean['param']:+.4f} | {max(loss['param']) - min(loss['param']):.4f} |"
+        for xd, v in loss.items():
+            cells = " | ".join(f"{x:.4f}" for x in v)
+            lines.append(f"| {size} | `{xd}` | {cells} | {mean[xd]:.4f} | {last if xd == 'bf16' else '| |'}")
     lines += ["", "**Reading it.** With fp32 shards, as FSDP2 mixed precision keeps them, the bf16 exchange sends half "
               "the bytes of the parameters' dtype (gradient and update pieces alike; the finite flags ride along). "
               "On this CPU SWAN‡ whitens in fp32, so `auto` sends `param` here; on a GPU it sends bf16. The loss "

@@ -119,13 +119,13 @@ def _study():
 
 @pytest.mark.timeout(30)
 def test_tokens_to_reach_interpolates():
-    study = _study()
+    study = _study().study
     curve = [(0, 9.0), (100, 6.0), (200, 5.0), (300, 4.0)]
     assert study.tokens_to_reach(curve, 5.5) == 150.0
     assert study.tokens_to_reach(curve, 4.0) == 300.0
     assert study.tokens_to_reach(curve, 3.9) is None
-    assert study._series_step(2e-3, up=True) == pytest.approx(5e-3)
-    assert study._series_step(1e-2, up=False) == pytest.approx(5e-3)
+    assert study.step(2e-3, up=True) == pytest.approx(5e-3)
+    assert study.step(1e-2, up=False) == pytest.approx(5e-3)
 
 
 def _quick(tmp_path, *extra, timeout=80):
@@ -159,7 +159,7 @@ def test_convergence_quick_with_two_jobs(tmp_path, monkeypatch):
     bench = _study()
     args = bench.parse(["--quick"])
     expected = [f"calibrate/{a.key}" for a in bench.MAIN]
-    expected += [f"sweep/{k}/lr{lr:g}" for k in bench.sweep_arms(args) for lr in bench.grid(args, k)]
+    expected += [f"sweep/{a.key}/lr{lr:g}" for a in bench.SWEPT for lr in bench.study.grid_of(args, a)]
     expected += [f"main/{a.key}/seed{s}" for s in args.seeds for a in bench.MAIN]
     expected += [f"ablation/{a.key}/seed{s}" for s in args.ablation_seeds for a in bench.ABLATIONS]
     record = json.loads((work / "results.json").read_text())
@@ -173,11 +173,11 @@ def test_convergence_quick_with_two_jobs(tmp_path, monkeypatch):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        sequential = bench.Study(args, tmp_path / "jobs1")
+        sequential = bench.study.Study(args, tmp_path / "jobs1")
         for tag in ("main/muon/seed1", "ablation/ddagger_no_whitening/seed0"):
             r = by_tag[tag]
-            again = sequential.result(sequential.submit(bench.BY_KEY[r["arm"]], r["lr"], args.tokens, r["seed"], tag,
-                                                        args.eval_every_tokens))  # fmt: skip
+            again = sequential.submit(bench.BY_KEY[r["arm"]], r["lr"], args.tokens, r["seed"], tag,
+                                      args.eval_every_tokens)()  # the record: trained now, in this process
             again = json.loads(json.dumps(again))  # tuples to lists, as results.json has them
             for key in ("lr", "seed", "tokens", "steps", "curve", "final_val_loss", "optimizer_state", "n_params"):
                 assert again[key] == r[key], (tag, key)
