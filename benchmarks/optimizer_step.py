@@ -1,10 +1,6 @@
-"""Single-process optimizer step: SWAN presets vs torch AdamW on the reference LLaMA model.
-
-Measured side by side in one run, on the same model and the same gradients:
-  - optimizer step time (median over --steps, after warm-up) and its ratio to AdamW;
-  - optimizer-state bytes after a step (SWAN matrices hold none; the fallback rule may);
-  - fp32 vs bf16 matmul throughput on this device (what whiten_dtype='auto' weighs).
-Writes a section of docs/benchmarks.md.
+"""How long does one optimizer step take, and how much state does it hold? SWAN presets against torch AdamW on
+the reference LLaMA model, one process, the same fixed gradients; also the device's fp32 vs bf16 matmul rate.
+Writes `optimizer-step-<device>`; the other step benchmarks build their model here (:func:`reference`).
 
     python benchmarks/optimizer_step.py --size small --steps 5
 """
@@ -13,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import platform
-import statistics
 import time
 
 import torch
@@ -23,87 +18,81 @@ from swan_dist.functional import cpu_has_native_bf16
 from swan_dist.reference.baselines import adamw_kernel
 from swan_dist.reference.model import Llama, model_config
 
-from measure import write_section  # noqa: E402 (benchmarks/ is the script's folder)
+from measure import median_time, write_section  # noqa: E402 (benchmarks/ is the script's folder)
+
+NAMES = ("adamw", "adamw-default", "swan_ddagger", "swan_dagger", "swan_ddagger+sign")
 
 
-def _state_bytes(opt: torch.optim.Optimizer) -> int:
-    return sum(
-        t.numel() * t.element_size() for st in opt.state.values() for t in st.values() if isinstance(t, torch.Tensor)
-    )
+def reference(size: str, device: torch.device, dtype: torch.dtype | None = None) -> torch.nn.Module:
+    """The reference LLaMA of ``size`` (seed 0, built on ``device``, in ``dtype``), every ``.grad`` fixed random."""
+    torch.manual_seed(0)
+    with device:
+        model = Llama(model_config(size)).to(dtype or torch.float32)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p) * 1e-3
+    return model
 
 
-def _time_steps(opt, steps: int, sync) -> float:
-    opt.step()  # warm-up (allocates state)
-    times = []
-    for _ in range(steps):
-        sync()
-        t0 = time.perf_counter()
-        opt.step()
-        sync()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+
+
+def sync_of(device: torch.device):
+    return torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
 
 def _matmul_gflops(dtype: torch.dtype, device: torch.device, n: int = 1024, reps: int = 3) -> float:
-    a = torch.randn(n, n, device=device).to(dtype)
-    b = torch.randn(n, n, device=device).to(dtype)
+    a, b = (torch.randn(n, n, device=device).to(dtype) for _ in range(2))
     a @ b
     t0 = time.perf_counter()
     for _ in range(reps):
         a @ b
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+    sync_of(device)()
     return 2 * n**3 * reps / (time.perf_counter() - t0) / 1e9
+
+
+def _build(name: str, model: torch.nn.Module) -> torch.optim.Optimizer:
+    params = list(model.parameters())
+    if name == "adamw":  # torch's fastest kernel for these tensors (fused)
+        return torch.optim.AdamW(params, lr=0.0, weight_decay=0.0, **adamw_kernel(params))
+    if name == "adamw-default":  # what AdamW(params) picks: a loop over tensors on the CPU, foreach on CUDA
+        return torch.optim.AdamW(params, lr=0.0, weight_decay=0.0)
+    preset, _, fallback = name.partition("+")
+    return swan_dist.SWAN(model, preset=preset, lr=0.0, fallback=fallback or None, verbose=False)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size", default="small", help="reference model size (tiny, small, 60m, 130m)")
     ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--no-write", action="store_true", help="print only, do not update docs/benchmarks.md")
     args = ap.parse_args()
-    device = torch.device(args.device)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-
-    torch.manual_seed(0)
-    model = Llama(model_config(args.size, vocab_size=8192)).to(device)
-    grads = [torch.randn_like(p) * 1e-3 for p in model.parameters()]
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model = reference(args.size, device)
+    grads = [p.grad for p in model.parameters()]
     n_params = sum(p.numel() for p in model.parameters())
-
-    def fresh(name: str) -> torch.optim.Optimizer:
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    rows = []
+    for name in NAMES:
         for p, g in zip(model.parameters(), grads):
             p.grad = g.clone()
-        if name == "adamw":  # torch's fastest kernel for these tensors (fused)
-            params = list(model.parameters())
-            return torch.optim.AdamW(params, lr=0.0, weight_decay=0.0, **adamw_kernel(params))
-        if name == "adamw-default":  # what AdamW(params) picks: a loop over tensors on the CPU, foreach on CUDA
-            return torch.optim.AdamW(model.parameters(), lr=0.0, weight_decay=0.0)
-        preset, fallback = name.split("+") if "+" in name else (name, None)
-        return swan_dist.SWAN(model, preset=preset, lr=0.0, fallback=fallback, verbose=False)
-
-    rows = []
-    for name in ["adamw", "adamw-default", "swan_ddagger", "swan_dagger", "swan_ddagger+sign"]:
-        opt = fresh(name)
-        t = _time_steps(opt, args.steps, sync)
-        rows.append((name, t, _state_bytes(opt)))
+        opt = _build(name, model)
+        t, _ = median_time(opt.step, args.steps, warmup=1, sync=sync_of(device))  # (the warm-up allocates state)
+        state = sum(x.numel() * x.element_size() for st in opt.state.values() for x in st.values()
+                    if isinstance(x, torch.Tensor))
+        rows.append((name, t, state))
         del opt
-    t_adam = rows[0][1]
-    gf32 = _matmul_gflops(torch.float32, device)
-    gbf16 = _matmul_gflops(torch.bfloat16, device)
-
-    dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+    gf32, gbf16 = (_matmul_gflops(dtype, device) for dtype in (torch.float32, torch.bfloat16))
     lines = [
-        f"Reference model `{args.size}` ({n_params / 1e6:.1f}M parameters), one process, device: {dev_name}, "
-        f"torch {torch.__version__}, median of {args.steps} steps on fixed gradients.",
+        f"Reference model `{args.size}` ({n_params / 1e6:.1f}M parameters), one process, device: "
+        f"{device_name(device)}, torch {torch.__version__}, median of {args.steps} steps on fixed gradients.",
         "",
         "| optimizer | step time (ms) | vs AdamW | optimizer state (MB) | state / params bytes |",
         "|---|---:|---:|---:|---:|",
-    ]
-    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    for name, t, sb in rows:
-        lines.append(f"| {name} | {t * 1e3:.1f} | {t / t_adam:.2f}x | {sb / 2**20:.1f} | {sb / param_bytes:.2f} |")
-    lines += [
+        *(f"| {name} | {t * 1e3:.1f} | {t / rows[0][1]:.2f}x | {sb / 2**20:.1f} | {sb / param_bytes:.2f} |"
+          for name, t, sb in rows),
         "",
         "`adamw`: torch's AdamW with its fastest kernel for these tensors (fused); `adamw-default`: "
         "`AdamW(params)` as torch picks it (on the CPU a loop over tensors, on CUDA foreach). "
@@ -117,7 +106,8 @@ def main() -> None:
     text = "\n".join(lines)
     print(text)
     if not args.no_write:
-        write_section(f"optimizer-step-{device.type}", f"Optimizer step, single process ({'GPU' if device.type == 'cuda' else 'CPU'})", text)
+        kind = "GPU" if device.type == "cuda" else "CPU"
+        write_section(f"optimizer-step-{device.type}", f"Optimizer step, single process ({kind})", text)
 
 
 if __name__ == "__main__":
