@@ -1,31 +1,20 @@
-"""Per-rank peak memory of a whole FSDP2 training step at world sizes no machine here has, traced without
-allocating anything: one process plays rank r of W on torch's fake process group (``FakeStore``: every
-collective returns at once, with outputs of the right shapes), the model built under ``FakeTensorMode``
-(shapes, no data) and sharded as the reference trainer shards it (:func:`swan_dist.reference.parallel.shard_fsdp2`),
-and two steps run under ``FSDPMemTracker``; the second counts. The optimizer is the real one: torch's AdamW
-(``foreach``), or SWAN‡ itself (owner or replicated mode, or owner mode with ``step_in_backward=True``), whose
-owners' plan comes from every rank's DTensor ranges as in a real run; a fake step assumes every gradient
-finite (it reads no value on the host).
-
-Reported per traced rank: the tracker's peak by category over the whole step, the peak over forward and
-backward, the live bytes just before ``step()``, the step's transient (its peak minus those bytes), the
-optimizer's state bytes, and for SWAN the rank's bound (``Exchange.transient_bound``, docs/engine.md,
-"Memory a step adds") of the schedule it ran. ``benchmarks/memory_dist.py`` checks the trace against the real
-run at the shape both run; ``benchmarks/memory_dist_scale.py`` traces the 7B and 70B shapes at W = 8 … 1,024."""
+"""One rank's whole FSDP2 training step, measured live (``FSDPMemTracker``) on real tensors or traced without
+allocating: rank r of W on torch's fake process group, the reference LLaMA under ``FakeTensorMode`` sharded as
+the reference trainer shards it, two steps with the real optimizer, the second counted (a fake step assumes
+every gradient finite). benchmarks/memory_dist.py checks the trace against real runs; benchmarks/real_setup.py
+traces LLaMA 1.3B-70B at W up to 1,024."""
 
 from __future__ import annotations
 
-
 import torch
-import torch.distributed as dist
 
-from measure import categories, tracked_step
+from measure import categories, traced, tracked_step
 
 LLAMA = {  # LLaMA-2 7B and 70B (70B: grouped-query attention, 8 key/value heads)
     "7b": dict(dim=4096, n_layers=32, n_heads=32, ffn_dim=11008),
     "70b": dict(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=28672),
 }
-TRACED = {
+VARIANTS = {
     "adamw": "AdamW (torch, foreach)",
     "owner": "SWAN‡ owner mode",
     "replicated": "SWAN‡ replicated mode",
@@ -33,16 +22,17 @@ TRACED = {
 }
 
 
-def model_config(size: str):
+def model_config(size: str, **overrides):
+    """The reference LLaMA of ``size`` (a reference size, or 7b / 70b) with the papers' 32k vocabulary."""
     from swan_dist.reference.model import LlamaConfig, model_config
 
     if size in LLAMA:
-        return LlamaConfig(vocab_size=32000, max_seq_len=4096, **LLAMA[size])
-    return model_config(size, vocab_size=32000)
+        return LlamaConfig(**{"vocab_size": 32000, "max_seq_len": 4096, **LLAMA[size], **overrides})
+    return model_config(size, vocab_size=32000, **overrides)
 
 
-def optimizer(variant: str, model, bucket_mb: float):
-    """torch's AdamW or SWAN‡ in the benchmark's variants (see :data:`TRACED`)."""
+def optimizer(variant: str, model, bucket_mb: float = 256.0):
+    """torch's AdamW or SWAN‡ in the benchmarks' variants (see :data:`VARIANTS`)."""
     if variant == "adamw":
         return torch.optim.AdamW(model.parameters(), lr=3e-4, foreach=True)
     import swan_dist
@@ -52,20 +42,28 @@ def optimizer(variant: str, model, bucket_mb: float):
                           step_in_backward=variant == "backward")
 
 
-def transient_bound(opt) -> dict | None:
-    """The bound of the schedule SWAN's last ``step()`` over every parameter ran on this rank (None: not
-    SWAN, no exchange, or updates made during backward, whose steps are not ``step()``'s)."""
+def step_bound(opts: list, variant: str) -> dict | None:
+    """The largest bound (``Exchange.transient_bound``, docs/engine.md, "Memory a step adds") of the schedules
+    SWAN's ``step()`` ran on this rank (ZeRO-3: one per sub-group); None for AdamW and for updates made during
+    backward, whose steps are not ``step()``'s."""
     from swan_dist import whitening
 
-    memo = getattr(opt, "_memos", {}).get("all")
-    ex = None if memo is None else memo.plans.last
-    return None if ex is None else ex.transient_bound(whitening._CPU_PASS_BYTES)
+    if variant not in ("owner", "replicated"):
+        return None
+    bounds = [ex.transient_bound(whitening._CPU_PASS_BYTES) for o in opts
+              for memo in getattr(o, "_memos", {}).values() for ex in memo.plans.cache.values()]
+    return max(bounds, key=lambda b: b["total"], default=None)
+
+
+def state_bytes(opts: list) -> int:
+    """The optimizers' state tensors on this rank (DTensors: their local shards; step counters left out)."""
+    return sum(getattr(t, "_local_tensor", t).numel() * t.element_size() for o in opts for s in o.state.values()
+               for t in s.values() if torch.is_tensor(t) and t.dim() > 0)
 
 
 def largest_unit_bytes(model) -> int:
     """The largest FSDP unit's unsharded parameter bytes: the size of its gradients' reduce-scatter input
-    (what a trace on the fake process group does not hold at the peak where a real run does; see
-    benchmarks/memory_dist.py's check of the traces)."""
+    (what a trace on the fake process group does not hold at the peak where a real run does)."""
     from torch.distributed.fsdp import FSDPModule
 
     owner: dict[int, int] = {}
@@ -78,11 +76,15 @@ def largest_unit_bytes(model) -> int:
     return max(per.values())
 
 
-def fsdp2_step(cfg, mesh, variant: str, seq: int, bucket_mb: float, dtype=torch.bfloat16) -> dict:
-    """The reference LLaMA ``cfg`` in ``dtype``, sharded over ``mesh`` as the reference trainer shards it,
-    with :func:`optimizer`'s ``variant``: two steps under ``FSDPMemTracker``, the second measured. On real
-    tensors under a real process group, or under ``FakeTensorMode`` on the fake one (:func:`trace_step`)."""
+def fsdp2_step(cfg, mesh, variant, seq: int, bucket_mb: float = 256.0, dtype=torch.bfloat16, *, batch: int = 1,
+               mp=None, ac: bool = False) -> dict:
+    """The reference LLaMA ``cfg`` made in ``dtype``, each block in a ``checkpoint_wrapper`` where ``ac``, sharded
+    over ``mesh`` (with the ``MixedPrecisionPolicy`` ``mp``), the optimizer ``variant`` (a name of
+    :data:`VARIANTS`, or a function of the model): two steps of ``batch`` x ``seq`` tokens under
+    ``FSDPMemTracker``, the second measured; on real tensors, or fake ones (:func:`trace_step`)."""
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.distributed.fsdp import fully_shard
 
     from swan_dist.reference.model import Llama
     from swan_dist.reference.parallel import shard_fsdp2
@@ -93,14 +95,20 @@ def fsdp2_step(cfg, mesh, variant: str, seq: int, bucket_mb: float, dtype=torch.
         model = Llama(cfg)
     finally:
         torch.set_default_dtype(default)
-    shard_fsdp2(model, mesh)
-    opt = optimizer(variant, model, bucket_mb)
-    tokens = torch.randint(0, cfg.vocab_size, (1, seq + 1))
-    x, y = tokens[:, :-1], tokens[:, 1:]
+    if ac:  # each block's activations recomputed in backward, as torchtitan's "full" mode
+        for i, block in enumerate(model.layers):
+            model.layers[i] = checkpoint_wrapper(block, preserve_rng_state=False)
+    if mp is None:
+        shard_fsdp2(model, mesh)
+    else:  # the same units as shard_fsdp2, each with the policy
+        for unit in (model.tok_embeddings, *model.layers, model.output, model):
+            fully_shard(unit, mesh=mesh, mp_policy=mp)
+    opt = variant(model) if callable(variant) else optimizer(variant, model, bucket_mb)
+    tokens = torch.randint(0, cfg.vocab_size, (batch, seq + 1))
 
     def fwd_bwd():
         opt.zero_grad(set_to_none=True)
-        model(x, y)[1].backward()
+        model(tokens[:, :-1], tokens[:, 1:])[1].backward()
 
     tracker = FSDPMemTracker(model, opt)
     tracker.track_external(model, opt)
@@ -111,30 +119,19 @@ def fsdp2_step(cfg, mesh, variant: str, seq: int, bucket_mb: float, dtype=torch.
         tracker._peak_mem = {torch.device("cpu"): 0}
         marks = tracked_step(fwd_bwd, opt.step, tracker)
         peak = categories(tracker.get_tracker_snapshot("peak"))
-    state = sum(getattr(t, "_local_tensor", t).numel() * t.element_size() for s in opt.state.values()
-                for t in s.values() if torch.is_tensor(t) and t.dim() > 0)
     return {"peak": peak, "peak_total": max(peak.get("Total", 0), marks["peak_before_step"], marks["step_peak"]),
-            "transient": marks["step_peak"] - marks["live_before_step"], "state_bytes": state,
-            "bound": transient_bound(opt), "largest_unit_bytes": largest_unit_bytes(model), **marks}
+            "state_bytes": state_bytes([opt]), "bound": None if callable(variant) else step_bound([opt], variant),
+            "largest_unit_bytes": largest_unit_bytes(model), **marks}
 
 
-def trace_step(size, world: int, variant: str, seq: int, *, rank: int = 0, bucket_mb: float = 256.0,
-               dtype=torch.bfloat16) -> dict:
-    """Rank ``rank`` of ``world`` on the fake process group, :func:`fsdp2_step` on fake tensors (see the
-    module). ``size``: a named shape or a ``LlamaConfig``."""
+def trace_step(size, world: int, variant, seq: int, *, rank: int = 0, **options) -> dict:
+    """Rank ``rank`` of ``world`` on the fake process group: :func:`fsdp2_step` (``options``) on fake tensors.
+    ``size``: a name of :func:`model_config` or a ``LlamaConfig``."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
-    try:
+    with traced(world, rank):
         cfg = model_config(size) if isinstance(size, str) else size
         mesh = init_device_mesh("cpu", (world,))  # made on real tensors
         with FakeTensorMode():
-            out = fsdp2_step(cfg, mesh, variant, seq, bucket_mb, dtype)
-        return {"size": size if isinstance(size, str) else "custom", "world": world, "rank": rank,
-                "variant": variant, "seq": seq, **out}
-    finally:
-        dist.destroy_process_group()
+            return {"world": world, "rank": rank, "seq": seq, **fsdp2_step(cfg, mesh, variant, seq, **options)}

@@ -1,108 +1,76 @@
-"""What SWAN‡ saves and costs per GPU in the setup a LLaMA pre-training run uses: FSDP2 with
-``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` (fp32 shards, gradients and optimizer
-state; bf16 compute), 8 sequences x 2,048 tokens per GPU, with and without activation checkpointing,
-against fused AdamW (torchtitan's default), for LLaMA 1.3B, 7B and 70B at W = 8, 64 and 1,024.
-
-Memory: one rank's whole training step traced without allocating (torch's fake process group,
-``FakeTensorMode``, ``FSDPMemTracker``; ``benchmarks/memory_estimate.py``'s tools), AdamW on rank 0 and
-SWAN‡ (owner mode, whitened and exchanged in bf16 as on a GPU) on the rank its plan loads most. The trace
-runs the CPU's schedule; SWAN's step is charged the larger of its traced transient and the bound of the
-schedule a GPU runs (``Exchange.transient_bound``: whole phases' stacks, 32 MiB flush). Time: the
-step-time model of ``benchmarks/gpu_model.py`` (H100s, the whitening rate calibrated on the paper) for
-the same tokens per GPU, activation checkpointing recomputing the forward.
+"""What SWAN‡ saves and costs per GPU in the setup a LLaMA pre-training run uses (FSDP2 mixed precision, 8 x
+2,048 tokens per GPU, with and without activation checkpointing) against fused AdamW, LLaMA 1.3B-70B at W = 8,
+64, 1,024: one rank's step traced (benchmarks/memory_estimate.py), SWAN's step charged at least the bound of
+the schedule a GPU runs (``Exchange.transient_bound``), time from benchmarks/gpu_model.py's model.
 
     python benchmarks/real_setup.py                      # every point (about half an hour on 2 cores)
-    python benchmarks/real_setup.py --load /tmp/real_setup.json   # report saved traces again
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
-import os
-import sys
-import time
 
 import torch
-import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from measure import write_section  # noqa: E402
+import gpu_model as gm
+from measure import traced, write_section
+from memory_estimate import model_config, trace_step
+from swan_dist.functional import WhitenConfig
+from swan_dist.plan import row_shard_ranges
+from swan_dist.whitening import _FLUSH_BYTES, swan_exchange, swan_plan
 
 GiB = 2**30
 SIZES = {"1b3": ("LLaMA 1.3B", 1.34e9, 32000 * 2048), "7b": ("LLaMA 7B", 6.74e9, 32000 * 4096),
          "70b": ("LLaMA 70B", 69.0e9, 32000 * 8192)}
+SPECS = {"1b3": lambda: gm.llama_1b3(WhitenConfig()), "7b": gm.MODELS["LLaMA-7B"], "70b": gm.MODELS["LLaMA-70B"]}
 
 
-def trace(size: str, world: int, variant: str, ac: bool, batch: int, seq: int, rank: int) -> dict:
-    """Rank ``rank`` of ``world``: two steps traced, the second measured (``memory_estimate.tracked_step``)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    from torch.testing._internal.distributed.fake_pg import FakeStore
+def gpu_bound(size: str, world: int) -> tuple[int, int]:
+    """The rank the owner plan loads most (fp32 bytes of its largest bucket share) and its step bound on a
+    GPU's schedule: bf16 pieces, 32 MiB flush, ``bucket_mb=256``."""
+    specs = SPECS[size]()
+    plan = swan_plan(specs, row_shard_ranges(specs, world), "owner", 256 << 20)
+    load = [0] * world
+    for bucket in plan.buckets:
+        per = [0] * world
+        for m, r in bucket.owners.items():
+            if r >= 0:
+                per[r] += 4 * specs[m].numel
+        load = [max(a, c) for a, c in zip(load, per)]
+    rank = max(range(world), key=lambda r: load[r])
+    ex = swan_exchange(plan, rank, None, torch.device("cuda"), [torch.bfloat16] * len(specs))
+    return rank, ex.transient_bound(_FLUSH_BYTES)["total"]
 
+
+def trace(size: str, world: int, variant: str, ac: bool, args, rank: int) -> dict:
+    """Rank ``rank`` of ``world``: fp32 shards, bf16 compute; fused AdamW or SWAN‡ as on a GPU (whitened in
+    bf16, so the exchange sends bf16: ``exchange_dtype="auto"``)."""
     import swan_dist
-    from memory_estimate import categories, model_config, tracked_step
-    from swan_dist.reference.model import Llama
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
-    try:
-        cfg = dataclasses.replace(model_config(size), max_seq_len=seq)
-        mesh = init_device_mesh("cpu", (world,))
-        with FakeTensorMode():
-            model = Llama(cfg)  # fp32 weights: FSDP2's sharded parameters
-            if ac:  # each block's activations recomputed in backward, as torchtitan's "full" mode
-                for i, block in enumerate(model.layers):
-                    model.layers[i] = checkpoint_wrapper(block, preserve_rng_state=False)
-            mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-            for unit in (model.tok_embeddings, *model.layers, model.output, model):
-                fully_shard(unit, mesh=mesh, mp_policy=mp)
-            if variant == "adamw":
-                opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True)
-            else:  # SWAN‡ as on a GPU: whitened in bf16, so the exchange sends bf16 (exchange_dtype="auto")
-                opt = swan_dist.SWAN(model, verbose=False, whiten_dtype="bfloat16")
-            tokens = torch.randint(0, cfg.vocab_size, (batch, seq + 1))
+    def make(model):
+        if variant == "adamw":
+            return torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True)
+        return swan_dist.SWAN(model, verbose=False, whiten_dtype="bfloat16")
 
-            def fwd_bwd():
-                opt.zero_grad(set_to_none=True)
-                model(tokens[:, :-1], tokens[:, 1:])[1].backward()
-
-            tracker = FSDPMemTracker(model, opt)
-            tracker.track_external(model, opt)
-            with tracker:
-                fwd_bwd()
-                opt.step()  # the first step makes the state: not counted
-                tracker.reset_mod_stats()
-                tracker._peak_mem = {torch.device("cpu"): 0}
-                marks = tracked_step(fwd_bwd, opt.step, tracker)
-                peak = categories(tracker.get_tracker_snapshot("peak"))
-        state = sum(getattr(t, "_local_tensor", t).numel() * t.element_size() for s in opt.state.values()
-                    for t in s.values() if torch.is_tensor(t) and t.dim() > 0)
-        return {"size": size, "world": world, "variant": variant, "ac": ac, "rank": rank, "peak": peak,
-                "state": state, **{k: marks[k] for k in ("peak_before_step", "live_before_step", "transient")}}
-    finally:
-        dist.destroy_process_group()
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    r = trace_step(model_config(size, max_seq_len=args.seq), world, make, args.seq, rank=rank, dtype=torch.float32,
+                   batch=args.batch, mp=mp, ac=ac)
+    return {"size": size, "variant": variant, "ac": ac, **r}
 
 
 def run(args) -> list[dict]:
-    from memory_dist_scale import bound
-
     out = []
     for size in args.sizes.split(","):
         for world in map(int, args.worlds.split(",")):
-            gpu = bound(size, world, "owner", 256.0, "cuda")  # the schedule a GPU runs (bf16 pieces)
+            busiest, bound = gpu_bound(size, world)
             for ac in (False, True):
                 for variant in ("adamw", "swan"):
-                    t0 = time.perf_counter()
-                    r = trace(size, world, variant, ac, args.batch, args.seq,
-                              gpu["busiest_rank"] if variant == "swan" else 0)
-                    r["gpu_bound"] = gpu["busiest"] if variant == "swan" else 0
+                    r = trace(size, world, variant, ac, args, busiest if variant == "swan" else 0)
+                    r["gpu_bound"] = bound if variant == "swan" else 0
                     out.append(r)
-                    print(f"{size} W={world} ac={ac} {variant}: peak {peak(r) / GiB:.2f} GiB "
-                          f"[{time.perf_counter() - t0:.0f} s]", flush=True)
+                    print(f"{size} W={world} ac={ac} {variant}: peak {peak(r) / GiB:.2f} GiB", flush=True)
                     with open(args.save, "w") as f:
                         json.dump(out, f)
     return out
@@ -116,25 +84,16 @@ def peak(r: dict) -> int:
 
 def times(args, sizes: list[str], worlds: list[int]) -> dict:
     """(size, world, ac) -> the step-time model's Cluster, tokens per GPU as traced."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    import gpu_model as gm
-    from swan_dist.functional import WhitenConfig
-
-    specs = {"1b3": lambda: gm.llama_1b3(WhitenConfig()), "7b": gm.MODELS["LLaMA-7B"], "70b": gm.MODELS["LLaMA-70B"]}
     rate = gm.paper_check().rate / gm.V["A100 bf16 peak"] * gm.V["H100 bf16 peak"]
     sent = gm.exchange_dtype_of("auto", WhitenConfig(), torch.float32, gm.CUDA)
     out = {}
     for world in worlds:
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
-        try:
+        with traced(world):
             for size in sizes:
                 name, params, vocab_dim = SIZES[size]
                 for ac in (False, True):
-                    out[size, world, ac] = gm.cluster_step(name, specs[size](), params, vocab_dim, world, rate,
+                    out[size, world, ac] = gm.cluster_step(name, SPECS[size](), params, vocab_dim, world, rate,
                                                            args.batch * args.seq, sent, recompute=ac)
-        finally:
-            dist.destroy_process_group()
     return out
 
 
@@ -143,7 +102,6 @@ def report(args, rows: list[dict]) -> str:
     sizes = list(dict.fromkeys(r["size"] for r in rows))
     worlds = sorted({r["world"] for r in rows})
     model = times(args, sizes, worlds)
-    tokens = args.batch * args.seq
     lines = [f"FSDP2, `MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`, fp32 shards; {args.batch} x "
              f"{args.seq:,} tokens per GPU; AC: activation checkpointing of every block. Peak per GPU (GiB), "
              "traced; SWAN‡'s step as on a GPU (see the script). Time: predicted tokens/s against AdamW's on "
@@ -163,9 +121,10 @@ def report(args, rows: list[dict]) -> str:
                 speed = (t.compute + t.adamw) / (t.compute + t.owner)
                 summary.append((size, world, ac, (pa - ps) / pa, speed))
                 lines.append(f"| {SIZES[size][0]} | {world:,} | {'yes' if ac else 'no'} | {pa / GiB:,.2f} | "
-                             f"{ps / GiB:,.2f} | {(pa - ps) / GiB:,.2f} | {(pa - ps) / pa:.1%} | {a['state'] / GiB:,.2f} "
-                             f"| {s['state'] / GiB:,.2f} | {max(s['transient'], s['gpu_bound']) / GiB:,.2f} | "
-                             f"{speed:.3f} | {t.owner / (t.compute + t.owner):.1%} |")
+                             f"{ps / GiB:,.2f} | {(pa - ps) / GiB:,.2f} | {(pa - ps) / pa:.1%} | "
+                             f"{a['state_bytes'] / GiB:,.2f} | {s['state_bytes'] / GiB:,.2f} | "
+                             f"{max(s['transient'], s['gpu_bound']) / GiB:,.2f} | {speed:.3f} | "
+                             f"{t.owner / (t.compute + t.owner):.1%} |")
     best = max(summary, key=lambda x: x[3])
     worst = min(summary, key=lambda x: x[3])
     slow = min(summary, key=lambda x: x[4])
@@ -178,7 +137,8 @@ def report(args, rows: list[dict]) -> str:
               f"peak. In time the model predicts tokens/s within {1 - slow[4]:.1%} of AdamW's or better at every "
               f"point (lowest: {SIZES[slow[0]][0]} at W = {slow[1]:,}); the whitening's critical path is the "
               "largest matrix once W passes the number of matrices, while each GPU's compute stays "
-              f"{tokens:,} tokens. Predicted, not measured: the owner exchange over NCCL at W > 1 has not run."]
+              f"{args.batch * args.seq:,} tokens. Predicted, not measured: the owner exchange over NCCL at W > 1 "
+              "has not run."]
     return "\n".join(lines)
 
 
@@ -188,15 +148,12 @@ def main() -> None:
     ap.add_argument("--worlds", default="8,64,1024")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=2048)
-    ap.add_argument("--save", default="/tmp/real_setup.json")
+    ap.add_argument("--save", default="/tmp/real_setup.json", help="the traces, written as they are made")
     ap.add_argument("--load", help="report the traces saved by an earlier run instead of tracing")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    if args.load:
-        rows = json.load(open(args.load))
-    else:
-        rows = run(args)
+    rows = json.load(open(args.load)) if args.load else run(args)
     text = report(args, rows)
     print(text)
     if not args.no_write:

@@ -7,6 +7,7 @@ step bound of the real one."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 
@@ -19,6 +20,16 @@ BUCKETS_MB = (0.1, 2.0)
 BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
 
 
+@contextlib.contextmanager
+def _benchmarks():
+    """benchmarks/ on sys.path while its modules are imported, and off it after."""
+    sys.path.insert(0, BENCHMARKS)
+    try:
+        yield
+    finally:
+        sys.path.remove(BENCHMARKS)
+
+
 def _estimate_config():
     from swan_dist.reference.model import LlamaConfig
 
@@ -28,8 +39,8 @@ def _estimate_config():
 def _transients(rank: int, world: int) -> tuple[list, dict]:
     from torch.distributed.device_mesh import init_device_mesh
 
-    sys.path.insert(0, BENCHMARKS)
-    from memory_estimate import fsdp2_step
+    with _benchmarks():
+        from memory_estimate import fsdp2_step
 
     real = fsdp2_step(_estimate_config(), init_device_mesh("cpu", (world,)), "owner", 16, 0.1, torch.float32)
     return [_transient(rank, world, b) for b in BUCKETS_MB], real
@@ -86,8 +97,8 @@ def test_owner_step_transient_within_bound():
     assert small[0] < large[0], "the bound should shrink with bucket_mb"
 
     # the same owner step traced on the fake process group, rank by rank, in this process
-    sys.path.insert(0, BENCHMARKS)
-    from memory_estimate import trace_step
+    with _benchmarks():
+        from memory_estimate import trace_step
 
     for rank, (_, real) in enumerate(results):
         traced = trace_step(_estimate_config(), 2, "owner", 16, rank=rank, bucket_mb=0.1, dtype=torch.float32)
