@@ -1,41 +1,23 @@
-"""Whitening efficiency: the SWAN update computation against the GEMMs it needs, one process.
-
-For every weight matrix of the reference model (stacked by shape, as the optimizer whitens them),
-measured side by side in one run, per preset and whitening dtype:
-  - the time of ``swan_dist.swan_update`` (GradNorm, NS/NSDS, rescale, finite check);
-  - the GEMM FLOPs the algorithm needs: per matrix of s = min side, l = max side, the Gram and the
-    final product (4 s² l), plus 3K - 3 s×s products for K Newton-Schulz steps (NSDS: none);
-  - the device's matmul rate for the same dtype, measured two ways: on exactly those GEMMs (the same
-    shapes, stacked the same way: what the algorithm could reach if it were nothing but its GEMMs),
-    and on one large square product;
-  - the efficiency = needed FLOPs / update time, as a fraction of each rate (target: >= 80 % of the
-    same-shape rate).
-On a glibc CPU the whole measurement runs a second time in a child process with glibc's trimming off
-(``MALLOC_MMAP_THRESHOLD_`` / ``MALLOC_TRIM_THRESHOLD_``): by default glibc returns large freed buffers
-to the kernel and each step faults fresh, zeroed pages in again, which the first rows pay and the
-second do not.
-Writes the `whitening-<device>` section of docs/benchmarks.md. ``--against COMMIT``: instead, this
-checkout's ``swan_update`` against COMMIT's (its ``swan_dist`` imported beside this one), per stack,
-timed in turn in one process (section `whitening-<device>-against`).
+"""How close does SWAN's update come to the GEMMs it needs? ``swan_update`` on the reference model's matrices
+(stacked by shape) per preset and dtype, against the FLOPs it needs and the device's rate on the same GEMMs and on
+one large square product; on a glibc CPU also in a child with glibc's trimming off. ``--against COMMIT``: this
+checkout's ``swan_update`` against COMMIT's, imported side by side in one process.
 
     python benchmarks/whitening.py --size small
-    python benchmarks/whitening.py --size small --against 1aaf204 --reps 15
+    python benchmarks/whitening.py --size small --against 1aaf204 --reps 9
 """
 
 from __future__ import annotations
 
 import argparse
-import atexit
 import importlib
 import json
 import os
 import platform
-import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 import types
 from collections import Counter
 
@@ -44,105 +26,73 @@ import torch
 from swan_dist.functional import WhitenConfig, swan_update
 from swan_dist.reference.model import Llama, model_config
 
-from measure import write_section  # noqa: E402 (benchmarks/ is the script's folder)
+from measure import median_time, turns, write_section  # noqa: E402 (benchmarks/ is the script's folder)
+from optimizer_step import device_name, sync_of  # noqa: E402
 
 PRESETS = {"SWAN‡ (NSDS 2)": WhitenConfig("nsds", 2, 0.4), "SWAN† (NS 10)": WhitenConfig("ns", 10, 0.8)}
-
-
-def _timer(device: torch.device, reps: int):
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-
-    def run(fn) -> float:
-        fn()
-        fn()  # warm-up
-        times = []
-        for _ in range(reps):
-            sync()
-            t0 = time.perf_counter()
-            fn()
-            sync()
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times)
-    return run
+NO_TRIM = {"MALLOC_MMAP_THRESHOLD_": str(1 << 30), "MALLOC_TRIM_THRESHOLD_": str(1 << 32)}
 
 
 def _needed_flops(shape: tuple[int, int], cfg: WhitenConfig) -> float:
-    s, l = min(shape), max(shape)
-    return 4.0 * s * s * l + (2.0 * (3 * cfg.steps - 3) * s**3 if cfg.method == "ns" else 0.0)
+    s, n = min(shape), max(shape)
+    return 4.0 * s * s * n + (2.0 * (3 * cfg.steps - 3) * s**3 if cfg.method == "ns" else 0.0)
 
 
 def _gemms_only(stack: torch.Tensor, cfg: WhitenConfig):
     """The products the algorithm needs on these shapes, nothing else (paper orientation: the Gram of
     the input side, (in, out) after the transpose; a tall one transposed to its smaller side)."""
-    x = stack.mT if stack.shape[-1] <= stack.shape[-2] else stack  # (.., s, l)
-    x = x.contiguous()
+    x = (stack.mT if stack.shape[-1] <= stack.shape[-2] else stack).contiguous()  # (.., s, l)
     n_small = 3 * cfg.steps - 3 if cfg.method == "ns" else 0
 
     def run():
-        y = x @ x.mT
-        z = y
+        z = y = x @ x.mT
         for _ in range(n_small):
             z = z @ y
         return z @ x
     return run
 
 
-NO_TRIM = {"MALLOC_MMAP_THRESHOLD_": str(1 << 30), "MALLOC_TRIM_THRESHOLD_": str(1 << 32)}
-
-
 def _no_trim_rows(args) -> list:
     """The same measurement in a child process with glibc's mmap/trim thresholds fixed high."""
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "rows.json")
-        cmd = [sys.executable, __file__, "--size", args.size, "--reps", str(args.reps), "--device", args.device,
+        cmd = [sys.executable, __file__, "--size", args.size, "--reps", str(args.reps),
                "--compile", args.compile, "--rows-out", out] + (["--dtypes", args.dtypes] if args.dtypes else [])
         subprocess.run(cmd, check=True, env={**os.environ, **NO_TRIM})
         with open(out) as f:
             return [tuple(r) for r in json.load(f)]
 
 
-def _functional_at(commit: str):
-    """``swan_dist.functional`` as it was at ``commit``: its package extracted to a temporary folder and
-    imported as ``swan_dist_at``, beside this checkout's."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    folder = tempfile.mkdtemp()
-    atexit.register(shutil.rmtree, folder, True)
-    archive = subprocess.run(["git", "archive", commit, "swan_dist"], cwd=root, capture_output=True, check=True).stdout
-    subprocess.run(["tar", "-x", "-C", folder], input=archive, check=True)
-    package = types.ModuleType("swan_dist_at")
-    package.__path__ = [os.path.join(folder, "swan_dist")]
-    sys.modules["swan_dist_at"] = package
-    return importlib.import_module("swan_dist_at.functional")
-
-
 def compare(args, stacks: dict, device: torch.device) -> None:
-    """Per dtype, preset and stack: this checkout's ``swan_update`` and ``args.against``'s, called in turn
-    ``args.reps`` times each (a change in the machine's load hits both alike); medians and their ratio."""
+    """Per dtype, preset and stack: this checkout's ``swan_update`` and ``args.against``'s (its package extracted
+    and imported as ``swan_dist_at``), called in turn ``args.reps`` times each; medians and their ratio."""
     import swan_dist.functional as this
 
-    other = _functional_at(args.against)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    lines = [f"| dtype | preset | stack | this commit (ms) | {args.against} (ms) | ratio |", "|---|---|---|---:|---:|---:|"]
-    for dt in (args.dtypes or "float32,bfloat16").split(","):
-        for label, base in PRESETS.items():
-            total = [0.0, 0.0]
-            for shape, stack in stacks.items():
-                runs = [(m, m.WhitenConfig(base.method, base.steps, base.beta, dtype=dt)) for m in (this, other)]
-                times: list[list[float]] = [[], []]
-                for rep in range(args.reps + 2):  # (two warm-up rounds)
-                    for k, (m, cfg) in enumerate(runs):
-                        sync()
-                        t0 = time.perf_counter()
-                        m.swan_update(stack, cfg)
-                        sync()
-                        if rep >= 2:
-                            times[k].append(time.perf_counter() - t0)
-                new, old = (statistics.median(t) for t in times)
-                total = [total[0] + new, total[1] + old]
-                lines.append(f"| {dt} | {label} | {stack.shape[0]}x {list(shape)} | {new * 1e3:.2f} | {old * 1e3:.2f} | "
-                             f"{new / old:.2f}x |")
-            lines.append(f"| {dt} | {label} | **all** | {total[0] * 1e3:.2f} | {total[1] * 1e3:.2f} | "
-                         f"**{total[0] / total[1]:.2f}x** |")
+    with tempfile.TemporaryDirectory() as folder:
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        archive = subprocess.run(["git", "archive", args.against, "swan_dist"], cwd=root, capture_output=True,
+                                 check=True).stdout
+        subprocess.run(["tar", "-x", "-C", folder], input=archive, check=True)
+        package = types.ModuleType("swan_dist_at")
+        package.__path__ = [os.path.join(folder, "swan_dist")]
+        sys.modules["swan_dist_at"] = package
+        other = importlib.import_module("swan_dist_at.functional")
+        lines = [f"| dtype | preset | stack | this commit (ms) | {args.against} (ms) | ratio |",
+                 "|---|---|---|---:|---:|---:|"]
+        for dt in (args.dtypes or "float32,bfloat16").split(","):
+            for label, base in PRESETS.items():
+                total = [0.0, 0.0]
+                for shape, stack in stacks.items():
+                    cfgs = [m.WhitenConfig(base.method, base.steps, base.beta, dtype=dt) for m in (this, other)]
+                    times = turns({"new": lambda: this.swan_update(stack, cfgs[0]),
+                                   "old": lambda: other.swan_update(stack, cfgs[1])}, args.reps, warmup=2,
+                                  sync=sync_of(device))
+                    new, old = statistics.median(times["new"]), statistics.median(times["old"])
+                    total = [total[0] + new, total[1] + old]
+                    lines.append(f"| {dt} | {label} | {stack.shape[0]}x {list(shape)} | {new * 1e3:.2f} | "
+                                 f"{old * 1e3:.2f} | {new / old:.2f}x |")
+                lines.append(f"| {dt} | {label} | **all** | {total[0] * 1e3:.2f} | {total[1] * 1e3:.2f} | "
+                             f"**{total[0] / total[1]:.2f}x** |")
     dev = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
     text = "\n".join([
         f"Reference model `{args.size}`'s matrices stacked by shape (as the whitening section above), {dev}, "
@@ -151,15 +101,15 @@ def compare(args, stacks: dict, device: torch.device) -> None:
         "", *lines])
     print(text)
     if not args.no_write:
-        write_section(f"whitening-{device.type}-against", f"Whitening ({'GPU' if device.type == 'cuda' else 'CPU'}): "
-                      f"this commit against {args.against}", text)
+        kind = "GPU" if device.type == "cuda" else "CPU"
+        write_section(f"whitening-{device.type}-against", f"Whitening ({kind}): this commit against {args.against}",
+                      text)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size", default="small")
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtypes", default=None, help="comma list of float32,bfloat16 (default: both)")
     ap.add_argument("--compile", choices=["auto", "yes", "no"], default="auto",
                     help="also time swan_update through torch.compile (auto: on CUDA, where it is the default)")
@@ -168,8 +118,7 @@ def main() -> None:
     ap.add_argument("--rows-out", help=argparse.SUPPRESS)  # the child run: write the rows here, nothing else
     ap.add_argument("--against", metavar="COMMIT", help="this checkout's swan_update against COMMIT's, in one process")
     args = ap.parse_args()
-    device = torch.device(args.device)
-    timed = _timer(device, args.reps)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(0)
     model = Llama(model_config(args.size, vocab_size=8192))
     shapes = Counter(tuple(p.shape) for n, p in model.named_parameters()
@@ -177,11 +126,11 @@ def main() -> None:
     stacks = {s: torch.randn(c, *s, device=device) * 1e-3 for s, c in sorted(shapes.items())}
     if args.against:
         return compare(args, stacks, device)
-    dtypes = (args.dtypes or "float32,bfloat16").split(",")
+    timed = lambda fn: median_time(fn, args.reps, warmup=2, sync=sync_of(device))[0]  # noqa: E731
     big = 4096 if device.type == "cuda" else 1024
     compiled = args.compile == "yes" or (args.compile == "auto" and device.type == "cuda")
     rows = []
-    for dt in dtypes:
+    for dt in (args.dtypes or "float32,bfloat16").split(","):
         a = torch.randn(big, big, device=device, dtype=getattr(torch, dt))
         square = 2 * big**3 / timed(lambda: a @ a) / 1e9
         for label, base in PRESETS.items():
@@ -196,29 +145,29 @@ def main() -> None:
                 t_gemm += timed(_gemms_only(stack.to(getattr(torch, dt)), cfg))
                 flops += _needed_flops(shape, cfg) * stack.shape[0]
             os.environ.pop("SWAN_DIST_COMPILE", None)
-            rows.append(("glibc, no trim" if args.rows_out else "glibc", dt, label, t_comp if compiled else t_upd, t_upd, t_gemm, flops, square))
+            rows.append(("glibc, no trim" if args.rows_out else "glibc", dt, label, t_comp if compiled else t_upd,
+                         t_upd, t_gemm, flops, square))
     if args.rows_out:
         with open(args.rows_out, "w") as f:
             json.dump(rows, f)
         return
     if device.type == "cpu" and platform.libc_ver()[0] == "glibc" and not args.no_allocator_run:
         rows += _no_trim_rows(args)
-    dev = (torch.cuda.get_device_name(device) if device.type == "cuda"
-           else f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)")
-    n_mat = sum(shapes.values())
     lines = [
-        f"Reference model `{args.size}`: {n_mat} matrices ({', '.join(f'{c}x {list(s)}' for s, c in sorted(shapes.items()))}), "
-        f"one process, {dev}, torch {torch.__version__}; median of {args.reps}. Needed FLOPs: Gram + final product "
-        "(4 s² l per matrix) and, for NS, 3K − 3 s×s products. Same-shape rate: those GEMMs alone, on the same stacks.",
+        f"Reference model `{args.size}`: {sum(shapes.values())} matrices "
+        f"({', '.join(f'{c}x {list(s)}' for s, c in sorted(shapes.items()))}), one process, {device_name(device)}, "
+        f"torch {torch.__version__}; median of {args.reps}. Needed FLOPs: Gram + final product (4 s² l per matrix) "
+        "and, for NS, 3K − 3 s×s products. Same-shape rate: those GEMMs alone, on the same stacks.",
         "",
-        f"| allocator | dtype | preset | update (ms) | eager update (ms) | GEMMs alone (ms) | needed GFLOP | achieved GFLOP/s | "
-        f"same-shape GEMM GFLOP/s | vs same-shape (target ≥ 80 %) | {big}² matmul GFLOP/s | vs {big}² |",
+        f"| allocator | dtype | preset | update (ms) | eager update (ms) | GEMMs alone (ms) | needed GFLOP | achieved "
+        f"GFLOP/s | same-shape GEMM GFLOP/s | vs same-shape (target ≥ 80 %) | {big}² matmul GFLOP/s | vs {big}² |",
         "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for alloc, dt, label, t_upd, t_eager, t_gemm, flops, square in rows:
         ach, gem = flops / t_upd / 1e9, flops / t_gemm / 1e9
-        lines.append(f"| {alloc} | {dt} | {label} | {t_upd * 1e3:.2f} | {t_eager * 1e3:.2f} | {t_gemm * 1e3:.2f} | {flops / 1e9:.2f} | "
-                     f"{ach:.1f} | {gem:.1f} | {100 * ach / gem:.0f} % | {square:.1f} | {100 * ach / square:.0f} % |")
+        lines.append(f"| {alloc} | {dt} | {label} | {t_upd * 1e3:.2f} | {t_eager * 1e3:.2f} | {t_gemm * 1e3:.2f} | "
+                     f"{flops / 1e9:.2f} | {ach:.1f} | {gem:.1f} | {100 * ach / gem:.0f} % | {square:.1f} | "
+                     f"{100 * ach / square:.0f} % |")
     lines += ["", "update: as SWAN runs it on this device (" + ("through torch.compile" if compiled else "eager") +
               "); eager update: SWAN_DIST_COMPILE=0. allocator: *glibc* as a process starts; *glibc, no trim*: "
               "the same measurement in a child process with " + " ".join(f"{k}={v}" for k, v in NO_TRIM.items()) +
@@ -227,8 +176,9 @@ def main() -> None:
     print(text)
     if not args.no_write:
         size = "" if args.size == "small" else f"-{args.size}"  # (a section per model size besides `small`)
-        write_section(f"whitening-{device.type}{size}", f"Whitening efficiency ({'GPU' if device.type == 'cuda' else 'CPU'}"
-                      f"{', ' + args.size if size else ''}): swan_update vs its GEMMs", text)
+        kind = ("GPU" if device.type == "cuda" else "CPU") + (f", {args.size}" if size else "")
+        write_section(f"whitening-{device.type}{size}", f"Whitening efficiency ({kind}): swan_update vs its GEMMs",
+                      text)
 
 
 if __name__ == "__main__":
