@@ -1,13 +1,7 @@
-"""A step-time model of SWAN on GPU clusters: owner mode, replicated mode and AdamW, from the owner
-engine's own plans and bytes (simulated in one process, as ``benchmarks/scale.py`` does) and named public
-hardware figures, checked against the paper's measured 8-GPU points.
-
-Every input is a named constant below with its source. One is calibrated, not looked up: the rate at
-which a GPU runs the whitening, from the paper's SWAN‡ *w/o MP* point (1.3B LLaMA, 8x A100); the same
-rate then reproduces the paper's SWAN† w/o MP point independently (a check of the FLOP model), and the
-*w/ MP* points are predicted. Training compute (forward, backward, their communication) is taken as
-the same for every optimizer: only the optimizer step differs, and the exchange is not assumed to
-overlap the whitening (the engine overlaps its phases; no GPU measured how much yet).
+"""What would SWAN's step cost on GPU clusters? A step-time model of owner mode, replicated mode and AdamW from the
+owner engine's own plans and bytes (simulated as ``benchmarks/scale.py`` does) and named public hardware figures
+(``INPUTS``); the whitening rate is calibrated on the paper's SWAN‡ w/o MP point (1.3B LLaMA, 8x A100) and the
+paper's other 8-GPU points are predicted from it. Only the optimizer step differs between optimizers.
 
     python benchmarks/gpu_model.py           # W = 8, 64, 256, 1024 (a minute or two)
 """
@@ -15,17 +9,16 @@ overlap the whitening (the engine overlaps its phases; no GPU measured how much 
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from swan_dist.functional import WhitenConfig
 from swan_dist.plan import MatrixSpec
 from swan_dist.whitening import exchange_dtype_of, swan_cost, swan_plan
 
-from measure import write_section  # noqa: E402 (benchmarks/ is the script's folder)
+from measure import traced, write_section  # noqa: E402 (benchmarks/ is the script's folder)
 from scale import Layout, MODELS, llama, measure  # noqa: E402
 
 NS10 = WhitenConfig(method="ns", steps=10, beta=0.8)  # SWAN†'s whitening
@@ -60,22 +53,16 @@ PAPER = {"Adam": 117872, "SWAN† w/o MP": 58600, "SWAN‡ w/o MP": 107808, "SWA
 
 def llama_1b3(cfg: WhitenConfig) -> list[MatrixSpec]:
     """The GaLore 1.3B LLaMA: hidden 2048, MLP 5461, 24 layers, vocab 32000."""
-    specs = llama(24, 2048, 2048, 5461)
-    return [MatrixSpec(s.key, s.shape, cfg) for s in specs]
+    return llama(24, 2048, 2048, 5461, cfg)
 
 
 def adamw_s(params: float, hbm: float) -> float:
     return params * V["AdamW bytes per parameter"] / (hbm * V["HBM efficiency"])
 
 
-@dataclass
-class Paper:
-    rate: float  # calibrated whitening FLOP/s (A100)
-    rows: list[tuple[str, float, float]]  # (point, predicted tokens/s ratio to Adam, measured)
-
-
-def paper_check() -> Paper:
-    """The w/o MP SWAN‡ point gives the whitening rate; everything else is predicted from it."""
+def paper_check() -> SimpleNamespace:
+    """The w/o MP SWAN‡ point gives the whitening rate (``rate``, FLOP/s on an A100); the other points are predicted
+    from it (``rows``: point, predicted tokens/s ratio to Adam, measured)."""
     t_adam = V["paper batch (tokens)"] / PAPER["Adam"]
     hbm, link = V["A100 HBM"], V["A100 NVLink, one direction"] * V["link efficiency"]
     params = 1.34e9  # matrices 1.21e9 + embeddings and head 2 x 32000 x 2048
@@ -100,24 +87,11 @@ def paper_check() -> Paper:
             predicted = t_adam / (t_adam - adam + step)
             point = f"SWAN{name} {'w/' if mp else 'w/o'} MP"
             rows.append((point, predicted, PAPER[point] / PAPER["Adam"]))
-    return Paper(rate, rows)
-
-
-@dataclass
-class Cluster:
-    model: str
-    world: int
-    compute: float
-    adamw: float
-    owner: float
-    owner_whiten: float
-    owner_comm: float
-    owner_comm_fp32: float  # the exchange with fp32 pieces (exchange_dtype="param" on fp32 shards)
-    replicated: float
+    return SimpleNamespace(rate=rate, rows=rows)
 
 
 def cluster_step(model: str, specs: list[MatrixSpec], params: float, vocab_dim: int, world: int, rate: float,
-                 tokens_per_gpu: float, sent: torch.dtype, recompute: bool = False) -> Cluster:
+                 tokens_per_gpu: float, sent: torch.dtype, recompute: bool = False) -> SimpleNamespace:
     """One H100 cluster point: FSDP row shards over all W GPUs (the caller's fake process group of W),
     ``tokens_per_gpu`` a step, ``rate`` the whitening FLOP/s, the exchange sending ``sent`` (the bytes the
     simulated step counts); ``recompute``: activation checkpointing runs each forward twice."""
@@ -139,11 +113,12 @@ def cluster_step(model: str, specs: list[MatrixSpec], params: float, vocab_dim: 
     replicated = (fallback + sum(swan_cost(s) for s in specs) / rate
                   + move(matrix_bytes * (world - 1) / world) + 2 * world * V["all_to_all latency per peer"])
     compute = (8 if recompute else 6) * params * tokens_per_gpu / (V["MFU"] * V["H100 bf16 peak"])
-    return Cluster(model, world, compute, adamw_s(params / world, hbm), fallback + owner_whiten + owner_comm,
-                   owner_whiten, owner_comm, owner_comm_fp32, replicated)
+    return SimpleNamespace(model=model, world=world, compute=compute, adamw=adamw_s(params / world, hbm),
+                           owner=fallback + owner_whiten + owner_comm, owner_whiten=owner_whiten, owner_comm=owner_comm,
+                           owner_comm_fp32=owner_comm_fp32, replicated=replicated)
 
 
-def cluster_rows(rate_fraction: float, worlds: tuple[int, ...], exchange: str = "auto") -> list[Cluster]:
+def cluster_rows(rate_fraction: float, worlds: tuple[int, ...], exchange: str = "auto") -> list[SimpleNamespace]:
     """FSDP row shards over all W GPUs (H100), NSDS, bucket_mb=256, a 4M-token global batch; FSDP2 mixed
     precision (fp32 shards and gradients), the exchange sending what ``SWAN(exchange_dtype=exchange)``
     sends there (``auto``: bf16, SWAN‡ whitening in bf16 on GPUs)."""
@@ -151,13 +126,10 @@ def cluster_rows(rate_fraction: float, worlds: tuple[int, ...], exchange: str = 
     sent = exchange_dtype_of(exchange, WhitenConfig(), torch.float32, CUDA)
     out = []
     for world in worlds:
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
-        try:
+        with traced(world):
             for model, params, vocab_dim in (("LLaMA-7B", 6.74e9, 32000 * 4096), ("LLaMA-70B", 69.0e9, 32000 * 8192)):
                 out.append(cluster_step(model, MODELS[model](), params, vocab_dim, world, rate,
                                         V["global batch (tokens)"] / world, sent))
-        finally:
-            dist.destroy_process_group()
     return out
 
 
@@ -177,28 +149,24 @@ def main() -> None:
     lines = ["**Inputs.**", "", "| input | value | source |", "|---|---:|---|"]
     lines += [f"| {k} | {v:,.4g} | {src} |" for k, (v, src) in INPUTS.items()]
     lines += ["", f"**Calibrated**: the whitening runs at {paper.rate / 1e12:.0f} TFLOP/s on an A100 "
-              f"({fraction:.0%} of its bf16 peak), from the paper's SWAN‡ w/o MP point: its step minus Adam's "
-              "is the whole model's NSDS whitening on one GPU plus the AdamW fallback on embeddings and head, "
-              "minus Adam's step. On the H100 the model takes the same fraction of peak "
-              f"({fraction * V['H100 bf16 peak'] / 1e12:.0f} TFLOP/s).", "",
-              "**Check against the paper** (1.3B LLaMA, 8x A100, DDP, batch 131,072 tokens; raw tokens/s "
-              "over Adam's). *w/ MP* is swan_dist's owner mode: the plan's slowest owner whitens, each owner "
-              "sends its matrices' updates to the 7 others over NVLink in the dtype the engine sends them in "
-              "(`exchange_dtype=\"auto\"`: the paper's bf16 parameters under DDP, 2 bytes an element).", "",
+              f"({fraction:.0%} of its bf16 peak), from the paper's SWAN‡ w/o MP point (its step minus Adam's: the "
+              "whole model's NSDS whitening on one GPU plus the AdamW fallback on embeddings and head, minus Adam's "
+              f"step); the H100 takes the same fraction ({fraction * V['H100 bf16 peak'] / 1e12:.0f} TFLOP/s).", "",
+              "**Check against the paper** (1.3B LLaMA, 8x A100, DDP, batch 131,072 tokens; raw tokens/s over "
+              "Adam's). *w/ MP* is swan_dist's owner mode: the plan's slowest owner whitens, each owner sends its "
+              "updates to the 7 others over NVLink in bf16 (`exchange_dtype=\"auto\"` on bf16 parameters).", "",
               "| point | predicted | paper | predicted / paper |", "|---|---:|---:|---:|"]
     lines += [f"| {p} | {pred:.3f} | {meas:.3f} | {pred / meas:.3f} |" for p, pred, meas in paper.rows]
-    lines += ["", "**Predicted, H100 clusters** (FSDP2 over all W GPUs with `MixedPrecisionPolicy(param_dtype="
-              "bf16, reduce_dtype=fp32)`: fp32 shards and gradients; SWAN‡ (NSDS, whitened in bf16), bucket_mb=256, "
-              "4M-token global batch: per-GPU compute shrinks as W grows). The exchange's bytes are those the engine "
-              "sends there (`exchange_dtype=\"auto\"`: bf16 pieces, 2 bytes an element, counted by the simulated "
-              "step); *fp32 exchange*: the same exchange with fp32 pieces (`exchange_dtype=\"param\"`, twice the "
-              "bytes, the same latency). *compute*: forward and backward at the MFU above, "
-              "the same for every optimizer; *owner*: the fallback AdamW on embeddings and head, the plan's "
-              "critical path (*whitening*) and rank 0's exchange bytes and latency from the simulated step "
-              "(*exchange*); *replicated*: every GPU whitens every matrix after gathering it. Ratios are "
-              "tokens/s against AdamW's.", "",
+    lines += ["", "**Predicted, H100 clusters** (FSDP2 over all W GPUs, fp32 shards and gradients under "
+              "`MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`; SWAN‡ whitened in bf16, bucket_mb=256, "
+              "4M-token global batch). *compute*: forward and backward at the MFU above, the same for every "
+              "optimizer; *owner*: the fallback AdamW on embeddings and head, the plan's critical path (*whitening*) "
+              "and rank 0's exchange bytes (bf16, `exchange_dtype=\"auto\"`) and latency from the simulated step "
+              "(*exchange*); *fp32 exchange*: with fp32 pieces (`exchange_dtype=\"param\"`); *replicated*: every "
+              "GPU whitens every matrix after gathering it. Ratios: tokens/s against AdamW's.", "",
               "| model | W | compute | AdamW step | owner step (whitening + exchange) | fp32 exchange | "
-              "replicated step | owner vs AdamW | replicated vs AdamW |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+              "replicated step | owner vs AdamW | replicated vs AdamW |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         base = r.compute + r.adamw
         lines.append(f"| {r.model} | {r.world} | {ms(r.compute)} | {ms(r.adamw)} | {ms(r.owner)} "
@@ -208,23 +176,13 @@ def main() -> None:
     sw = next(p for p in paper.rows if p[0] == "SWAN‡ w/ MP")
     st = next(p for p in paper.rows if p[0] == "SWAN† w/ MP")
     lines += ["", f"**Reading it.** The paper's SWAN‡ w/ MP point is predicted at {sw[1]:.3f} against its "
-              f"measured {sw[2]:.3f} ({abs(sw[1] / sw[2] - 1):.1%} apart), and SWAN† w/o MP, not used to "
-              "calibrate, within a few per cent: the FLOP model and one whitening rate explain both w/o MP "
-              f"points. SWAN† w/ MP is predicted at {st[1]:.3f} against {st[2]:.3f}: the paper's NS w/ MP step "
-              "is shorter than an eighth of its w/o MP whitening, which this model (whitening split 8 ways, no "
-              "overlap) cannot reproduce; an overlap of the NS work with the backward pass, or fewer NS steps "
-              "in its MP runs, would explain it, and the paper does not say. Under FSDP on "
-              "H100s with a 4M-token batch, owner mode stays within "
-              f"{1 - (worst.compute + worst.adamw) / (worst.compute + worst.owner):.1%} of AdamW's tokens/s "
-              f"up to W = {max(r.world for r in rows):,} (worst: {worst.model} at W = {worst.world:,}), while "
-              "replicated mode falls to a fraction of it as W grows (every GPU whitens every matrix while its "
-              "share of the batch shrinks). **Where owner mode stops paying**: past W ≈ the number of matrices "
-              "(224 for 7B, 560 for 70B) the critical path is the largest matrix and no longer shrinks, while "
-              "the per-GPU compute does and the all_to_all's per-peer latency grows with W; at a fixed global "
-              "batch the optimizer's share then rises (LLaMA-7B at W = 1,024: 2 %). What then: a larger batch "
-              "per GPU, or HSDP with the exchange inside the shard group (docs/engine.md), which caps the "
-              "exchange's peers at the group and leaves each group whitening every matrix. Every figure here "
-              "is predicted, not measured on a GPU cluster: the owner exchange over NCCL at W > 1 has not run."]
+              f"measured {sw[2]:.3f}; SWAN† w/ MP at {st[1]:.3f} against {st[2]:.3f} (the paper's NS w/ MP step is "
+              "shorter than an eighth of its w/o MP whitening, which a model without overlap cannot reproduce). "
+              f"Under FSDP on H100s, owner mode stays within "
+              f"{1 - (worst.compute + worst.adamw) / (worst.compute + worst.owner):.1%} of AdamW's tokens/s up to "
+              f"W = {max(r.world for r in rows):,} (worst: {worst.model} at W = {worst.world:,}); past W ≈ the number "
+              "of matrices the critical path is the largest matrix and stops shrinking. Every figure here is "
+              "predicted, not measured on a GPU cluster."]
     text = "\n".join(lines)
     print(text)
     if not args.no_write:

@@ -1,29 +1,11 @@
-"""The owner engine at large W, simulated in one process: planning, the exchange and the bytes of one rank.
-
-One process is rank 0 of W under torch's fake process group (``init_process_group("fake",
-store=FakeStore(), ...)``: every collective returns at once and moves nothing) with gradients on the meta
-device, so plans and exchanges are built from shapes alone and one step runs through the exchange's own
-code (packing, the ``all_to_all_single`` calls with their splits, assembling, the math on meta tensors,
-handing back), with no real tensor of the model's size. Per model, layout and W, for rank 0:
-
-- ``build_plan`` and ``Exchange`` construction time (best of 3, one thread: torchrun's default with
-  several processes per node) and the memory the plan holds (``tracemalloc``: what stays allocated once
-  the gathered ranges are dropped);
-- peers this rank sends gradients and updates to (non-empty splits), collectives per step;
-- bytes it sends in one step (bf16 gradients; the exchange's own count) against the minimum for the
-  plan's owners: its piece of every matrix it does not own to that matrix's owner, and each other holder's
-  piece of every matrix it owns;
-- the whitening critical path on the cost model (``Plan.slowest()``: Σ over buckets of the slowest
-  owner) against its lower bound max(total/W, largest matrix) (``Plan.bounds()``).
-
-Layouts: FSDP2 row shards over all W ranks; HSDP, row shards within shard groups of 8 or 64 ranks and
-replicated across them, the exchange either inside rank 0's shard group (its plan is that of the group:
-the group's bound and the world's show what keeping owners in the group costs) or over all W ranks
-(``process_group`` left at the world: owners anywhere, replicas as extra holders).
+"""What does the owner engine cost at large W? One process as rank 0 of W on torch's fake process group
+(collectives return at once) with meta-device gradients: per model (LLaMA-7B, -70B, an MoE), layout (FSDP, HSDP
+with the exchange in the shard group or over the world) and W, plan and exchange build time, plan memory, peers,
+collectives and bytes one step sends against the minimum, and the whitening critical path against its bounds.
+The LLaMA shapes and the simulated step here are those of ``engine.py``'s planner table and ``gpu_model.py``.
 
     python benchmarks/scale.py            # W = 8, 64, 256, 1024 (a few minutes)
     python benchmarks/scale.py --quick    # W up to 256
-    python benchmarks/scale.py --bucket-mb 1024
 """
 
 from __future__ import annotations
@@ -32,28 +14,28 @@ import argparse
 import gc
 import time
 import tracemalloc
-from dataclasses import dataclass
-from typing import Callable
+from types import SimpleNamespace
+from typing import Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from swan_dist.functional import WhitenConfig
 from swan_dist.plan import MatrixSpec, Plan, row_shard_ranges
 from swan_dist.whitening import swan_exchange, swan_plan
 
-from measure import write_section  # noqa: E402 (benchmarks/ is the script's folder)
+from measure import traced, write_section  # noqa: E402 (benchmarks/ is the script's folder)
 
 META = torch.device("meta")
 DTYPE = torch.bfloat16
 SHARD_GROUPS = (8, 64)
+BUCKET_MBS = (256, 1024, 4096)
 
 
-def llama(layers: int, dim: int, kv: int, ffn: int) -> list[MatrixSpec]:
+def llama(layers: int, dim: int, kv: int, ffn: int, cfg: WhitenConfig = WhitenConfig()) -> list[MatrixSpec]:
     """A LLaMA's per-layer matrices (out, in): q, k, v, o, gate, up, down."""
     shapes = [(dim, dim), (kv, dim), (kv, dim), (dim, dim), (ffn, dim), (ffn, dim), (dim, ffn)]
-    return [MatrixSpec(f"l{i}.{j}", s, WhitenConfig()) for i in range(layers) for j, s in enumerate(shapes)]
+    return [MatrixSpec(f"l{i}.{j}", s, cfg) for i in range(layers) for j, s in enumerate(shapes)]
 
 
 def moe(layers: int = 16, dim: int = 2048, experts: int = 64, ffn: int = 1408) -> list[MatrixSpec]:
@@ -69,8 +51,7 @@ MODELS: dict[str, Callable[[], list[MatrixSpec]]] = {
 }
 
 
-@dataclass(frozen=True)
-class Layout:
+class Layout(NamedTuple):
     """Who holds what: row shards over ``shard`` ranks (replicated across the W / shard groups), the
     exchange over ``group`` ranks (the shard group, or all W)."""
 
@@ -85,31 +66,9 @@ class Layout:
 
 def layouts(world: int) -> list[Layout]:
     out = [Layout("FSDP", world, world)]
-    for g in SHARD_GROUPS:
-        if g < world:
-            out += [Layout(f"HSDP {g}, group", g, g), Layout(f"HSDP {g}, world", g, world)]
+    for g in (g for g in SHARD_GROUPS if g < world):
+        out += [Layout(f"HSDP {g}, group", g, g), Layout(f"HSDP {g}, world", g, world)]
     return out
-
-
-@dataclass
-class Row:
-    model: str
-    layout: str
-    world: int
-    group: int  # ranks in the exchange
-    build_s: float
-    exchange_s: float
-    plan_mib: float
-    grad_peers: int  # ranks this one sends gradients to
-    update_peers: int  # ranks this one sends updates to
-    collectives: int  # all_to_all_single calls per step
-    messages: int  # non-empty send splits over the step's collectives
-    sent: int  # bytes this rank sent in the step
-    minimum: int | None  # None where replicas could send in its place
-    slowest: float  # whitening critical path on the cost model (FLOPs)
-    per_bucket: float  # Σ over buckets of max(cost(b) / group, largest of b)
-    bound: float  # max(total / group, largest)
-    world_bound: float  # max(total / W, largest)
 
 
 def best_of(n: int, fn: Callable[[], object]) -> tuple[float, object]:
@@ -152,45 +111,26 @@ def minimum_bytes(plan: Plan, rank: int, elem: int) -> int:
 
 
 def measure(model: str, specs: list[MatrixSpec], world: int, layout: Layout, group, bucket_bytes: int,
-            sent: torch.dtype = DTYPE, shards: torch.dtype = DTYPE) -> Row:
-    """Rank 0's row; ``shards``: the gradients' dtype, ``sent``: the dtype the exchange sends them in."""
-    ranges = layout.ranges(specs)
-    rank = dist.get_rank(group)
+            sent: torch.dtype = DTYPE, shards: torch.dtype = DTYPE) -> SimpleNamespace:
+    """Rank 0's row (one step through the exchange's own code on meta tensors); ``shards``: the gradients'
+    dtype, ``sent``: the dtype the exchange sends them in."""
+    ranges, rank = layout.ranges(specs), dist.get_rank(group)
     build_s, plan = best_of(3, lambda: swan_plan(specs, ranges, bucket_bytes=bucket_bytes))
     exchange_s, ex = best_of(3, lambda: swan_exchange(plan, rank, group, META, [sent] * len(specs)))
-    grads = [torch.empty(hi - lo, dtype=shards, device=META) for lo, hi in plan.ranges[rank]]
-    ex.run(grads, set(), lambda m, update, finite: None)
+    ex.run([torch.empty(hi - lo, dtype=shards, device=META) for lo, hi in plan.ranges[rank]], set(),
+           lambda m, update, finite: None)
     if ex.failure is not None:
         raise ex.failure
-    grad_peers = {d for st in ex.steps for d, n in enumerate(st.grads.send) if n}
-    update_peers = {d for st in ex.steps for d, n in enumerate(st.updates.send) if n}
-    total, largest = sum(plan.costs), max(plan.costs)
-    replicas = layout.group > layout.shard
-    return Row(model, layout.name, world, layout.group, build_s, exchange_s, plan_memory(specs, layout, bucket_bytes),
-               len(grad_peers), len(update_peers), sum(st.moves.grads + st.moves.updates for st in ex.steps),
-               sum(1 for st in ex.steps for n in (*st.grads.send, *st.updates.send) if n), ex.bytes_sent,
-               None if replicas else minimum_bytes(plan, rank, sent.itemsize),
-               plan.slowest(), *plan.bounds(), max(total / world, largest))
-
-
-def run(worlds: tuple[int, ...], bucket_bytes: int) -> list[Row]:
-    torch.set_num_threads(1)
-    warm = llama(1, 64, 64, 172)
-    swan_exchange(swan_plan(warm, row_shard_ranges(warm, 4)), 0, None, META, [DTYPE] * len(warm))
-    rows = []
-    for world in worlds:
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
-        try:
-            groups = {g: dist.new_subgroups(group_size=g)[0] for g in SHARD_GROUPS if g < world}
-            for model, make in MODELS.items():
-                specs = make()
-                for layout in layouts(world):
-                    group = dist.group.WORLD if layout.group == world else groups[layout.group]
-                    rows.append(measure(model, specs, world, layout, group, bucket_bytes))
-                    print(format_row(rows[-1]), flush=True)
-        finally:
-            dist.destroy_process_group()
-    return rows
+    per_bucket, bound = plan.bounds()  # Σ_b max(cost(b) / group, largest of b); max(total / group, largest)
+    return SimpleNamespace(
+        model=model, layout=layout.name, world=world, group=layout.group, build_s=build_s, exchange_s=exchange_s,
+        plan_mib=plan_memory(specs, layout, bucket_bytes), sent=ex.bytes_sent, slowest=plan.slowest(),
+        grad_peers=len({d for st in ex.steps for d, n in enumerate(st.grads.send) if n}),
+        update_peers=len({d for st in ex.steps for d, n in enumerate(st.updates.send) if n}),
+        collectives=sum(st.moves.grads + st.moves.updates for st in ex.steps),  # all_to_all_single calls
+        messages=sum(1 for st in ex.steps for n in (*st.grads.send, *st.updates.send) if n),  # non-empty splits
+        minimum=None if layout.group > layout.shard else minimum_bytes(plan, rank, sent.itemsize),  # (replicas)
+        per_bucket=per_bucket, bound=bound, world_bound=max(sum(plan.costs) / world, max(plan.costs)))
 
 
 HEADER = ("| model | layout, exchange | W | build_plan | Exchange | plan | peers sent to: gradients / updates (of) | "
@@ -199,7 +139,7 @@ HEADER = ("| model | layout, exchange | W | build_plan | Exchange | plan | peers
           "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
 
 
-def format_row(r: Row) -> str:
+def format_row(r: SimpleNamespace) -> str:
     splits = r.collectives * r.group
     share = f"{r.messages} of {splits} ({r.messages / splits:.0%})" if splits else "-"
     mean = f"{r.sent / r.messages / 2**10:,.0f} KiB" if r.messages else "-"
@@ -210,11 +150,21 @@ def format_row(r: Row) -> str:
             f"{r.slowest / r.world_bound:.2f} |")
 
 
-def find(rows: list[Row], model: str, layout: str, world: int) -> Row:
-    return next(r for r in rows if (r.model, r.layout, r.world) == (model, layout, world))
-
-
-BUCKET_MBS = (256, 1024, 4096)
+def run(worlds: tuple[int, ...], bucket_bytes: int) -> list[SimpleNamespace]:
+    torch.set_num_threads(1)  # torchrun's default with several processes per node
+    warm = llama(1, 64, 64, 172)
+    swan_exchange(swan_plan(warm, row_shard_ranges(warm, 4)), 0, None, META, [DTYPE] * len(warm))
+    rows = []
+    for world in worlds:
+        with traced(world):
+            groups = {g: dist.new_subgroups(group_size=g)[0] for g in SHARD_GROUPS if g < world}
+            for model, make in MODELS.items():
+                specs = make()
+                for layout in layouts(world):
+                    group = dist.group.WORLD if layout.group == world else groups[layout.group]
+                    rows.append(measure(model, specs, world, layout, group, bucket_bytes))
+                    print(format_row(rows[-1]), flush=True)
+    return rows
 
 
 def bucket_table(worlds: tuple[int, ...]) -> str:
@@ -230,67 +180,44 @@ def bucket_table(worlds: tuple[int, ...]) -> str:
     return "\n".join(lines)
 
 
-def findings(rows: list[Row], bucket_mb: float) -> str:
+def findings(rows: list[SimpleNamespace], bucket_mb: float) -> str:
     """What the numbers above say about the exchange at the largest W measured."""
     world = max(r.world for r in rows)
-    big, small, moe_row = (find(rows, m, "FSDP", world) for m in ("LLaMA-70B", "LLaMA-7B", "MoE 64x"))
-    group = [find(rows, "LLaMA-70B", f"HSDP {g}, group", world) for g in SHARD_GROUPS]
-    over = [find(rows, "LLaMA-70B", f"HSDP {g}, world", world) for g in SHARD_GROUPS]
+    find = {(r.model, r.layout): r for r in rows if r.world == world}
+    big, small, moe_row = (find[m, "FSDP"] for m in ("LLaMA-70B", "LLaMA-7B", "MoE 64x"))
+    pairs = [(find["LLaMA-70B", f"HSDP {g}, group"], find["LLaMA-70B", f"HSDP {g}, world"]) for g in SHARD_GROUPS]
     pct = lambda r: f"{r.messages / (r.collectives * r.group):.0%}"  # noqa: E731
-    kib = lambda r: f"{r.sent / r.messages / 2**10:,.0f} KiB"  # noqa: E731
     mib = lambda x: f"{x / 2**20:,.0f} MiB"  # noqa: E731
-    each = lambda items, f: " / ".join(f(x) for x in items)  # noqa: E731
-    fsdp = [r for r in rows if r.layout == "FSDP"]
-    worst = max(fsdp, key=lambda r: r.slowest / r.bound)
-    off = [r for r in rows if r.slowest > 1.005 * r.per_bucket]
-    off_text = (", except " + ", ".join(sorted({f"{r.model} at W = {r.group}: {r.slowest / r.per_bucket:.2f}"
-                                                for r in off}))) if off else ""
+    each = lambda f: " / ".join(f(*pair) for pair in pairs)  # noqa: E731
+    worst = max((r for r in rows if r.layout == "FSDP"), key=lambda r: r.slowest / r.bound)
+    off = sorted({f"{r.model} at W = {r.group}: {r.slowest / r.per_bucket:.2f}" for r in rows
+                  if r.slowest > 1.005 * r.per_bucket})
     return "\n\n".join([
         f"**The exchange at W = {world}.** Each collective is one `all_to_all_single` over all {world} ranks "
-        f"({big.collectives} per step for LLaMA-70B under FSDP). Dense models under FSDP do not leave it mostly "
-        f"empty: every rank holds a row slice of every matrix, so rank 0 sends gradients to the owner of each "
-        f"matrix it does not own (LLaMA-70B / 7B: {big.grad_peers} / {small.grad_peers} peers) and its own "
-        f"matrix's update to every holder ({big.update_peers} / {small.update_peers}); {pct(big)} / {pct(small)} "
-        f"of the splits are non-empty, messages average {kib(big)} / {kib(small)}, and it sends "
-        f"{mib(big.sent)} / {mib(small.sent)} per step, the minimum for the plan's owners "
-        f"({big.sent / big.minimum:.2f}x / {small.sent / small.minimum:.2f}x). Owners in a sub-group would not "
-        f"shrink the update fan-out (every rank holds a piece of every matrix, whoever whitens it), and a two-level "
-        f"exchange would add a hop for every byte: for FSDP, **keep the one collective**. The MoE "
-        f"({len(MODELS['MoE 64x']())} matrices on {world} ranks, expert stacks sharded by whole experts) is the "
-        f"sparse case: {moe_row.messages} non-empty splits of {moe_row.collectives * moe_row.group} "
-        f"({pct(moe_row)}), {moe_row.grad_peers} + {moe_row.update_peers} peers. torch's NCCL `all_to_all_single` "
-        f"with splits issues a send and a receive for every rank, empty ones included (`all2all_single_unequal_split`, "
-        f"NCCL >= 2.14), so each of its {moe_row.collectives} collectives per step makes {world} of each on every "
-        f"rank for {moe_row.messages} messages in all; what that costs needs a GPU run (not measured here).",
-        f"**HSDP** (LLaMA-70B, shard groups of {each(group, lambda r: str(r.group))}). The exchange inside the "
-        f"shard group keeps rank 0's peers at {each(group, lambda r: str(r.grad_peers))}, but every group whitens "
-        f"every matrix: the critical path is {each(group, lambda r: f'{r.slowest / 1e12:,.1f}')} TFLOP, "
-        f"{each(group, lambda r: f'{r.slowest / r.world_bound:.1f}x')} the world bound, and rank 0 sends "
-        f"{each(group, lambda r: mib(r.sent))}. Over the world each matrix is whitened once: the critical path is "
-        f"{each(list(zip(group, over)), lambda t: f'{t[0].slowest / t[1].slowest:.1f}x')} shorter, but rank 0 "
-        f"sends {each(over, lambda r: mib(r.sent))} "
-        f"({each(list(zip(group, over)), lambda t: f'{t[1].sent / t[0].sent:.1f}x')}) to "
-        f"{each(over, lambda r: str(r.update_peers))} peers: the cover takes every replicated piece from its "
-        f"lowest-rank holder (rank 0's replica group sends every gradient), and an owner sends its update to all "
-        f"{world - 1} other holders, W/g copies of each piece. Restricting owners to the shard group buys few peers "
-        f"with whitening; where the world exchange also sends much more at the owner, a two-level exchange (owners "
-        f"across the world, gradients spread over the replicas, each update sent within one replica group and "
-        f"passed on across groups) would keep the world's critical path without the owner's W/g-fold fan-out. "
-        f"HSDP is the layout where that is on the table; FSDP has no replica level to split.",
-        f"**Buckets.** The critical path meets its per-bucket bound{off_text}. Against the whole-model bound, "
-        f"`bucket_mb` decides: a matrix above it (LLaMA-70B's MLP matrices, 896 MiB in fp32; the MoE's expert "
-        f"stacks, 704 MiB) fills its owner's share of a bucket, W of them side by side; where such matrices and "
-        f"those of exactly bucket_mb (LLaMA-70B's 8192 x 8192: 256 MiB) outnumber W, they need more buckets than "
-        f"the bound's even split, which would put more than bucket_mb on some owner (bucket_mb={bucket_mb:g}: up to "
-        f"{worst.slowest / worst.bound:.2f}x, {worst.model} at W = {worst.world}). Per bucket_mb (FSDP, planning "
-        f"only):",
+        f"({big.collectives} per step for LLaMA-70B under FSDP). Under FSDP every rank holds a row slice of every "
+        f"matrix, so rank 0 sends gradients to the owner of each matrix it does not own (LLaMA-70B / 7B: "
+        f"{big.grad_peers} / {small.grad_peers} peers) and its own matrix's update to every holder "
+        f"({big.update_peers} / {small.update_peers}); {pct(big)} / {pct(small)} of the splits are non-empty, and it "
+        f"sends {mib(big.sent)} / {mib(small.sent)} per step ({big.sent / big.minimum:.2f}x / "
+        f"{small.sent / small.minimum:.2f}x the minimum for the plan's owners): for FSDP, **keep the one "
+        f"collective**. The MoE ({len(MODELS['MoE 64x']())} matrices, expert stacks sharded by whole experts) is "
+        f"the sparse case: {moe_row.messages} non-empty splits of {moe_row.collectives * moe_row.group} "
+        f"({pct(moe_row)}), {moe_row.grad_peers} + {moe_row.update_peers} peers.",
+        f"**HSDP** (LLaMA-70B, shard groups of {each(lambda g, w: str(g.group))}). The exchange inside the shard "
+        f"group keeps rank 0's peers at {each(lambda g, w: str(g.grad_peers))}, but every group whitens every "
+        f"matrix: the critical path is {each(lambda g, w: f'{g.slowest / 1e12:,.1f}')} TFLOP, "
+        f"{each(lambda g, w: f'{g.slowest / g.world_bound:.1f}x')} the world bound, and rank 0 sends "
+        f"{each(lambda g, w: mib(g.sent))}. Over the world the critical path is "
+        f"{each(lambda g, w: f'{g.slowest / w.slowest:.1f}x')} shorter, but rank 0 sends "
+        f"{each(lambda g, w: mib(w.sent))} ({each(lambda g, w: f'{w.sent / g.sent:.1f}x')}) to "
+        f"{each(lambda g, w: str(w.update_peers))} peers: an owner sends its update to all {world - 1} other "
+        "holders, W/g copies of each piece.",
+        f"**Buckets.** The critical path meets its per-bucket bound{', except ' + ', '.join(off) if off else ''}. "
+        "Against the whole-model bound, `bucket_mb` decides: matrices above it fill their owner's share of a "
+        f"bucket, and where they outnumber W they need more buckets than the bound's even split (bucket_mb="
+        f"{bucket_mb:g}: up to {worst.slowest / worst.bound:.2f}x, {worst.model} at W = {worst.world}). Per "
+        "bucket_mb (FSDP, planning only):",
     ])
-
-
-LR_NOTE = ("**An lr schedule** adds nothing to these costs: the plan and exchange are keyed by the layouts only "
-           "(the lr and other scalars travel as a hash in the step agreement's one all_reduce), so they are built "
-           "once, at the first step; a run under a warm-up + cosine schedule builds one plan and issues the same "
-           "collectives at every step (tests/test_schedules.py, W = 2 and 4).")
 
 
 def main() -> None:
@@ -302,23 +229,18 @@ def main() -> None:
     worlds = (8, 64, 256) if args.quick else (8, 64, 256, 1024)
     print(HEADER)
     rows = run(worlds, int(args.bucket_mb * 2**20))
-    text = findings(rows, args.bucket_mb) + "\n\n" + bucket_table(worlds) + "\n\n" + LR_NOTE
+    text = "\n\n".join([findings(rows, args.bucket_mb), bucket_table(worlds), (
+        "**An lr schedule** adds nothing to these costs: the plan and exchange are keyed by the layouts only, so "
+        "they are built once, at the first step (tests/test_schedules.py, W = 2 and 4).")])
     body = "\n".join([
         "One process as rank 0 of W (torch's fake process group, meta-device gradients), NSDS whitening, "
         f"bucket_mb={args.bucket_mb:g}, bf16 gradients, one thread; times are the best of 3. *HSDP g, group*: row "
-        "shards within shard groups of g ranks, the exchange inside rank 0's group; *HSDP g, world*: the same "
-        "layout, the exchange over all W ranks. *peers*: ranks this one sends non-empty splits to, of the exchange "
-        "group's others; *minimum*: its piece of every matrix it does not own to the owner, and every other "
-        "holder's piece of each matrix it owns (- where a replica could send in its place); *critical path*: Σ "
-        "over buckets of the slowest owner's whitening cost, against Σ_b max(cost(b)/W, largest of b) "
-        "(*per-bucket bound*), max(total/W, largest matrix) for the exchange group (*bound*) and for all W "
-        "ranks (*world bound*).",
-        "",
-        HEADER,
-        *map(format_row, rows),
-        "",
-        text,
-    ])
+        "shards within shard groups of g ranks, the exchange inside rank 0's group; *HSDP g, world*: the exchange "
+        "over all W ranks. *peers*: ranks this one sends non-empty splits to; *minimum*: what the plan's owners "
+        "need from it (- where a replica could send in its place); *critical path*: Σ over buckets of the slowest "
+        "owner's whitening cost, against Σ_b max(cost(b)/W, largest of b) (*per-bucket bound*) and max(total/W, "
+        "largest matrix) for the exchange group (*bound*) and for all W ranks (*world bound*).",
+        "", HEADER, *map(format_row, rows), "", text])
     print()
     print(text)
     if not args.no_write:
