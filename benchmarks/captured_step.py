@@ -7,7 +7,6 @@ fixed gradients under an lr schedule. Writes `captured-step-cuda`; without CUDA,
 
 from __future__ import annotations
 
-import argparse
 import types
 import warnings
 
@@ -16,7 +15,7 @@ import torch
 import swan_dist
 from swan_dist.reference.baselines import MuonWithAdamW, muon_split
 
-from measure import best_round, median_time, write_section  # noqa: E402 (benchmarks/ is the script's folder)
+from measure import best_round, median_time, parser, write_section  # noqa: E402 (benchmarks/ is the script's folder)
 from optimizer_step import reference, sync_of  # noqa: E402
 
 WARMUP, LR = 3, 1e-3
@@ -77,11 +76,7 @@ def measure(size: str, args, device: torch.device) -> dict[str, float]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sizes", default=None, help="comma list of reference model sizes (CUDA: 1b3,7b; CPU: tiny)")
-    ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--rounds", type=int, default=3)
-    args = ap.parse_args()
+    args = parser(__doc__, sizes="", steps=10, rounds=3).parse_args()  # sizes: default 1b3,7b on CUDA, tiny on a CPU
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     sizes = (args.sizes or ("1b3,7b" if device.type == "cuda" else "tiny")).split(",")
     lines = ["| model | optimizer | step (ms) | vs AdamW fused | vs AdamW foreach |", "|---|---|---:|---:|---:|"]
@@ -103,7 +98,7 @@ def main() -> None:
             "step captured once in a CUDA graph and replayed. `muon`: torch's Muon on SWAN's matrices, AdamW "
             "(foreach) on the rest. Weight decay 0.1 for all.", "", *lines])
         print(text, flush=True)
-        if device.type == "cuda":
+        if device.type == "cuda" and not args.no_write:
             write_section("captured-step-cuda", "Optimizer step on one GPU (CUDA): eager and captured, SWAN‡ vs "
                           "AdamW and Muon", text)
 

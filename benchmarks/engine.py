@@ -9,7 +9,6 @@ shapes up to W=512 (planning only); ``--against COMMIT``: the step table on COMM
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -23,7 +22,7 @@ from swan_dist.functional import WhitenConfig
 from swan_dist.plan import row_shard_ranges
 from swan_dist.whitening import swan_exchange, swan_plan
 
-from measure import against, against_table, spawn, turns, write_section  # noqa: E402 (benchmarks/ is the script's folder)
+from measure import against, against_table, parser, spawn, turns, write_section  # noqa: E402 (benchmarks/ is the script's folder)
 from scale import llama  # noqa: E402
 
 # (dim, ffn, layers) of the GaLore/SWAN LLaMA configurations.
@@ -215,7 +214,7 @@ def step_table(results: list[list], world: int, size: str, steps: int) -> str:
     return "\n".join(lines)
 
 
-def compare(args: argparse.Namespace, kind: str) -> None:
+def compare(args, kind: str) -> None:
     """This checkout's step table against ``args.against``'s, the same script run on each in turn (measure.against):
     per row the best of the rounds' medians, their ratio, and the ratio each vs its own adamw step."""
     argv = ["--step-only", "--world", str(args.world), "--size", args.size, "--steps", str(args.steps)]
@@ -247,19 +246,11 @@ def compare(args: argparse.Namespace, kind: str) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--world", type=int, default=2)
-    ap.add_argument("--size", default="small")
-    ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--no-write", action="store_true")
+    # json: the step rows written there too; against: COMMIT, the step table run --rounds times on each
+    ap = parser(__doc__, world=2, size="small", steps=5, json="", against="", rounds=2)
     only = ap.add_mutually_exclusive_group()
     only.add_argument("--planner-only", action="store_true", help="only the planner table (computed, no processes)")
     only.add_argument("--step-only", action="store_true", help="only the step-time table (W processes)")
-    ap.add_argument("--json", help="also write the step table's rows (layout, optimizer, median step and whitening "
-                    "seconds) here")
-    ap.add_argument("--against", metavar="COMMIT", help="the step table only: run it on this checkout and on "
-                    "COMMIT's swan_dist in turn, --rounds times each, and write the ratios")
-    ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args()
     kind = "cuda" if torch.cuda.is_available() else "cpu"
     if args.against:

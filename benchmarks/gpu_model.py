@@ -8,7 +8,6 @@ paper's other 8-GPU points are predicted from it. Only the optimizer step differ
 
 from __future__ import annotations
 
-import argparse
 from types import SimpleNamespace
 
 import torch
@@ -18,7 +17,7 @@ from swan_dist.functional import WhitenConfig
 from swan_dist.plan import MatrixSpec
 from swan_dist.whitening import exchange_dtype_of, swan_cost, swan_plan
 
-from measure import traced, write_section  # noqa: E402 (benchmarks/ is the script's folder)
+from measure import parser, traced, write_section  # noqa: E402 (benchmarks/ is the script's folder)
 from scale import Layout, MODELS, llama, measure  # noqa: E402
 
 NS10 = WhitenConfig(method="ns", steps=10, beta=0.8)  # SWAN†'s whitening
@@ -138,10 +137,7 @@ def ms(x: float) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--worlds", default="8,64,256,1024")
-    ap.add_argument("--no-write", action="store_true")
-    args = ap.parse_args()
+    args = parser(__doc__, worlds="8,64,256,1024").parse_args()
     torch.set_num_threads(1)
     paper = paper_check()
     fraction = paper.rate / V["A100 bf16 peak"]

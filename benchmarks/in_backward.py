@@ -8,14 +8,13 @@ W ranks (gloo, each block an FSDP module): the median and its ratio (the slowest
 
 from __future__ import annotations
 
-import argparse
 import functools
 import statistics
 
 import torch
 import torch.distributed as dist
 
-from measure import spawn, turns, write_section  # noqa: E402 (benchmarks/ is the script's folder)
+from measure import parser, spawn, turns, write_section  # noqa: E402 (benchmarks/ is the script's folder)
 
 BATCH, SEQ, WARMUP, THREADS = 8, 128, 2, 2  # per rank; THREADS: the one-process run's (W > 1: one each)
 
@@ -63,12 +62,7 @@ def _times(rank: int, world: int, size: str, steps: int) -> dict[str, list[float
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--size", default="small")
-    ap.add_argument("--worlds", default="1,2")
-    ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--no-write", action="store_true")
-    args = ap.parse_args()
+    args = parser(__doc__, size="small", worlds="1,2", steps=10).parse_args()
     rows = ["| layout | W | ordinary (ms) | in backward (ms) | in backward / ordinary |", "|---|---|---|---|---|"]
     for world in map(int, args.worlds.split(",")):
         torch.set_num_threads(THREADS)

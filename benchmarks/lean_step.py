@@ -9,7 +9,6 @@ AdamW (foreach) under an lr schedule: step time, host syncs, and at W=2 the coll
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import warnings
@@ -22,7 +21,7 @@ from torch import nn
 
 from swan_dist.host_reads import HostReads
 
-from measure import against, against_table, spawn, turns, write_section  # noqa: E402 (benchmarks/: the script's folder)
+from measure import against, against_table, parser, spawn, turns, write_section  # noqa: E402 (benchmarks/: the script's folder)
 from optimizer_step import device_name, sync_of  # noqa: E402
 
 LAYERS, DIM = 48, 64
@@ -160,15 +159,8 @@ def table(rows: list[dict], n_tensors: int, world: int) -> list[str]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=50)
-    ap.add_argument("--world", type=int, default=2, help="also run W processes (0: one process only)")
-    ap.add_argument("--no-write", action="store_true", help="print only, do not update docs/benchmarks.md")
-    ap.add_argument("--json", help="also write the rows (world, optimizer, median step, host reads) here")
-    ap.add_argument("--against", metavar="COMMIT", help="run this script on this checkout and on COMMIT's swan_dist "
-                    "in turn, --rounds times each, and write the ratios (section lean-step-<device>-against)")
-    ap.add_argument("--rounds", type=int, default=2)
-    args = ap.parse_args()
+    # world: also W processes (0: one only); json: the rows written there too; against: COMMIT, --rounds runs each
+    args = parser(__doc__, steps=50, world=2, json="", against="", rounds=2).parse_args()
     if args.against:
         return compare(args)
     cuda = torch.cuda.is_available()
@@ -213,7 +205,7 @@ def main() -> None:
                       "small matrices under an lr schedule", text)
 
 
-def compare(args: argparse.Namespace) -> None:
+def compare(args) -> None:
     """This checkout's step against ``args.against``'s, the same script run on each in turn (measure.against)."""
     argv = ["--steps", str(args.steps), "--world", str(args.world)]
     new, old = against(args.against, __file__, argv, args.rounds)

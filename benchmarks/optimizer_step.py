@@ -7,7 +7,6 @@ Writes `optimizer-step-<device>`; the other step benchmarks build their model he
 
 from __future__ import annotations
 
-import argparse
 import platform
 import time
 
@@ -18,7 +17,7 @@ from swan_dist.functional import cpu_has_native_bf16
 from swan_dist.reference.baselines import adamw_kernel
 from swan_dist.reference.model import Llama, model_config
 
-from measure import median_time, write_section  # noqa: E402 (benchmarks/ is the script's folder)
+from measure import median_time, parser, write_section  # noqa: E402 (benchmarks/ is the script's folder)
 
 NAMES = ("adamw", "adamw-default", "swan_ddagger", "swan_dagger", "swan_ddagger+sign")
 
@@ -64,11 +63,7 @@ def _build(name: str, model: torch.nn.Module) -> torch.optim.Optimizer:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--size", default="small", help="reference model size (tiny, small, 60m, 130m)")
-    ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--no-write", action="store_true", help="print only, do not update docs/benchmarks.md")
-    args = ap.parse_args()
+    args = parser(__doc__, size="small", steps=5).parse_args()  # size: tiny, small, 60m, 130m
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = reference(args.size, device)
     grads = [p.grad for p in model.parameters()]

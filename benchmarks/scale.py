@@ -10,7 +10,6 @@ The LLaMA shapes and the simulated step here are those of ``engine.py``'s planne
 
 from __future__ import annotations
 
-import argparse
 import gc
 import time
 import tracemalloc
@@ -24,7 +23,7 @@ from swan_dist.functional import WhitenConfig
 from swan_dist.plan import MatrixSpec, Plan, row_shard_ranges
 from swan_dist.whitening import swan_exchange, swan_plan
 
-from measure import traced, write_section  # noqa: E402 (benchmarks/ is the script's folder)
+from measure import parser, traced, write_section  # noqa: E402 (benchmarks/ is the script's folder)
 
 META = torch.device("meta")
 DTYPE = torch.bfloat16
@@ -221,10 +220,8 @@ def findings(rows: list[SimpleNamespace], bucket_mb: float) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__, bucket_mb=256.0)
     ap.add_argument("--quick", action="store_true", help="W up to 256")
-    ap.add_argument("--bucket-mb", type=float, default=256.0)
-    ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
     worlds = (8, 64, 256) if args.quick else (8, 64, 256, 1024)
     print(HEADER)

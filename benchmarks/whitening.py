@@ -9,7 +9,6 @@ checkout's ``swan_update`` against COMMIT's, imported side by side in one proces
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import json
 import os
@@ -26,7 +25,7 @@ import torch
 from swan_dist.functional import WhitenConfig, swan_update
 from swan_dist.reference.model import Llama, model_config
 
-from measure import median_time, turns, write_section  # noqa: E402 (benchmarks/ is the script's folder)
+from measure import median_time, parser, turns, write_section  # noqa: E402 (benchmarks/ is the script's folder)
 from optimizer_step import device_name, sync_of  # noqa: E402
 
 PRESETS = {"SWAN‡ (NSDS 2)": WhitenConfig("nsds", 2, 0.4), "SWAN† (NS 10)": WhitenConfig("ns", 10, 0.8)}
@@ -107,16 +106,9 @@ def compare(args, stacks: dict, device: torch.device) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--size", default="small")
-    ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--dtypes", default=None, help="comma list of float32,bfloat16 (default: both)")
-    ap.add_argument("--compile", choices=["auto", "yes", "no"], default="auto",
-                    help="also time swan_update through torch.compile (auto: on CUDA, where it is the default)")
-    ap.add_argument("--no-write", action="store_true")
+    # dtypes: float32,bfloat16 (default both); compile: auto (on CUDA), yes, no; rows_out: the child run's rows
+    ap = parser(__doc__, size="small", reps=5, dtypes="", compile="auto", rows_out="", against="")
     ap.add_argument("--no-allocator-run", action="store_true", help="skip the second run with glibc's trimming off")
-    ap.add_argument("--rows-out", help=argparse.SUPPRESS)  # the child run: write the rows here, nothing else
-    ap.add_argument("--against", metavar="COMMIT", help="this checkout's swan_update against COMMIT's, in one process")
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(0)
