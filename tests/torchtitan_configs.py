@@ -82,3 +82,30 @@ def __getattr__(name: str):
         c.checkpoint.enable = False
         return c
     return config
+
+
+def _gpu(optimizer=None):
+    """benchmarks/torchtitan.py --cuda's jobs: the debug llama3 at W=1 on a GPU, seq 512, no checkpoint."""
+    c = llama3_debugmodel()
+    c.hf_assets_path = os.environ["SWAN_TT_ASSETS"]
+    c.dataloader.dataset_path = os.path.join(c.hf_assets_path, "data")
+    c.validator, c.activation_checkpoint, c.training.seq_len = None, None, 512
+    c.checkpoint.enable = False
+    if optimizer is not None:
+        c.optimizer = optimizer
+    return c
+
+
+def cuda_adamw():
+    return _gpu()
+
+
+def cuda_distmuon():
+    from torchtitan.components.optimizer import OptimizersContainer, ParamGroupConfig
+    return _gpu(OptimizersContainer.Config(param_groups=[
+        ParamGroupConfig(pattern=r"layers\..*\.weight$", optimizer_name="DistMuon", optimizer_kwargs={"lr": 0.02}),
+        ParamGroupConfig(pattern=r".*", optimizer_name="AdamW", optimizer_kwargs={"lr": 8e-4})]))
+
+
+def cuda_swan():
+    return _gpu(SwanOptimizersContainer.Config(lr=2e-3))
