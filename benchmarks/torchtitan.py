@@ -21,6 +21,7 @@ TESTS = os.path.join(os.path.dirname(HERE), "tests")
 # named like the package it measures: its folder last on the path (``import torchtitan`` finds torchtitan)
 sys.path = [p for p in sys.path if os.path.abspath(p or os.getcwd()) != HERE] + [TESTS, HERE]
 import measure  # noqa: E402
+from swan_dist import engine, whitening  # noqa: E402
 
 LOG = re.compile(r"^\[titan\] (\S+ \S+) .*?step:\s+\d+\s+\S*\s*loss:\s+([-0-9.]+).*?memory:\s+([0-9.]+)GiB"
                  r".*?tps:\s+([0-9,]+)")
@@ -29,13 +30,17 @@ PARTS = ("whitening", "exchange", "fallback", "bookkeeping")
 TRACKED = ("Parameter", "Gradient", "Optstate", "Activation", "Temp", "Total")  # MemTracker's categories
 
 
-def launch(nproc: int, job: list[str], assets: str, entry: str, timeout: int = 1200, env: dict | None = None) -> dict:
-    """One job in a launch of its own, from rank 0's log: last loss, memory (GiB), tokens/s, seconds per step."""
+def launch(nproc: int, config: str, steps: int, tmp: str, *extra: str, probe: bool = False) -> dict:
+    """One job in a launch of its own, from rank 0's log: last loss, memory (GiB), tokens/s, seconds per step;
+    ``probe``: each rank :func:`probed`, and rank 0's parts (``ms``, ``mib``)."""
+    out, entry = os.path.join(tmp, config), os.path.abspath(__file__) if probe else f"{TESTS}/torchtitan_harness.py"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           "--local-ranks-filter", "0", entry, *job]
-    env = {**os.environ, **(env or {}), "SWAN_TT_ASSETS": assets,
+           "--local-ranks-filter", "0", entry, "--module", "torchtitan_configs", "--config", config,
+           "--dump_folder", out, "--training.steps", str(steps), *extra]
+    env = {**os.environ, "SWAN_TT_ASSETS": os.path.join(tmp, "assets"), "SWAN_TT_OUT": out, "SWAN_TT_PROBE": str(probe),
            "PYTHONPATH": TESTS + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    os.makedirs(out, exist_ok=True)
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, env=env)
     if p.returncode != 0:
         sys.stderr.write((p.stdout + p.stderr)[-5000:])
         raise SystemExit(f"torchtitan launch failed ({p.returncode})")
@@ -43,7 +48,8 @@ def launch(nproc: int, job: list[str], assets: str, entry: str, timeout: int = 1
     t = [datetime.datetime.strptime(a, "%Y-%m-%d %H:%M:%S,%f").timestamp() for a, *_ in logs]
     dt = sorted(b - a for a, b in zip(t, t[1:]))
     return {"loss": float(logs[-1][1]), "mem": max(float(m[2]) for m in logs), "step_s": dt[len(dt) // 2],
-            "tps": sorted(float(m[3].replace(",", "")) for m in logs)[len(logs) // 2]}
+            "tps": sorted(float(m[3].replace(",", "")) for m in logs)[len(logs) // 2],
+            **(json.load(open(os.path.join(out, "0.json"))) if probe else {})}
 
 
 def probed(argv: list[str]) -> None:
@@ -54,11 +60,7 @@ def probed(argv: list[str]) -> None:
     from torch.distributed._tools.mem_tracker import MemTracker
     from torchtitan.components.optimizer import OptimizersContainer
     from torchtitan.trainer import Trainer
-    import swan_dist.engine as engine
-    import swan_dist.whitening as whitening
-
-    steps: list[dict] = []
-    job: dict = {}
+    steps, job = [], {}
 
     class Tracker(MemTracker):  # torchtitan's loss calls the head once per chunk: its module stats are not kept
         def _pre_fw_hook(self, module, inputs) -> None:
@@ -80,9 +82,7 @@ def probed(argv: list[str]) -> None:
                    tracked=measure.categories(tracker.get_tracker_snapshot("peak")))
 
     def timed(owner, attr: str, key: str, around=lambda f, *a, **k: f(*a, **k)) -> None:
-        inner = getattr(owner, attr)
-
-        def call(*a, **k):
+        def call(*a, inner=getattr(owner, attr), **k):
             t0 = time.perf_counter()
             try:
                 return around(inner, *a, **k)
@@ -95,19 +95,18 @@ def probed(argv: list[str]) -> None:
         timed(*args)
     sys.argv = [sys.argv[0], *argv]
     torchtitan_harness.main()
-    ex = job["swan"] and job["swan"]._memos["all"].plans.last
-    timed_steps = steps[2:-1]  # after the first two, the tracked one left out
+    job["peak"] = measure.rss_status()["VmHWM"]  # the process's peak: ru_maxrss, to the byte
+    ex, timed_steps = job["swan"] and job["swan"]._memos["all"].plans.last, steps[2:-1]  # the tracked step left out
     ms = {k: 1e3 * sum(s.get(k, 0.0) for s in timed_steps) / len(timed_steps)
           for k in ("iteration", "step", "fallback", "whitening", "exchange")}
     ms.update(exchange=ms["exchange"] - ms["whitening"], bookkeeping=ms["step"] - ms["fallback"] - ms["exchange"])
-    mib = {k: job[k] / MiB for k in ("start", "live_before_step", "transient")}
+    mib = {k: job[k] / MiB for k in ("start", "peak", "live_before_step", "transient")}
     mib.update({c: job["tracked"].get(c, 0) / MiB for c in TRACKED},
                bound=ex.transient_bound(whitening._CPU_PASS_BYTES)["total"] / MiB if ex else 0)
     with open(os.path.join(os.environ["SWAN_TT_OUT"], f"{os.environ['RANK']}.json"), "w") as f:  # rank 0's read
         json.dump({"ms": ms, "mib": mib}, f)
 
 
-# ---------------------------------------------------------------- planning: DistMuon's balancer vs swan_dist's planner
 def planning_rows(flavor: str, world: int) -> dict:
     """DistMuon's and swan_dist's owners for torchtitan's llama3 ``flavor`` (its whitened matrices, built on the
     meta device): imbalance on each cost model (slowest owner / mean) and the most bytes a rank sends (fp32)."""
@@ -118,15 +117,13 @@ def planning_rows(flavor: str, world: int) -> dict:
     from swan_dist.functional import WhitenConfig
     from swan_dist.plan import MatrixSpec, row_shard_ranges
     from swan_dist.selection import classify
-    from swan_dist.whitening import swan_cost, swan_plan
-
     with torch.device("meta"):
         model = model_registry(flavor).model.build()
     shapes = [(n, tuple(p.shape)) for n, p in model.named_parameters() if p.ndim == 2 and classify(n, p).use_swan]
     specs = [MatrixSpec(n, s, WhitenConfig()) for n, s in shapes]
     ranges = row_shard_ranges(specs, world)
-    plan = swan_plan(specs, [ranges[r] for r in range(world)], bucket_bytes=1 << 62)  # one bucket, as DistMuon's
-    costs = ([_estimate_muon_compute_cost(s, 5) for _, s in shapes], [swan_cost(spec) for spec in specs])
+    plan = whitening.swan_plan(specs, [ranges[r] for r in range(world)], bucket_bytes=1 << 62)  # one bucket
+    costs = ([_estimate_muon_compute_cost(s, 5) for _, s in shapes], [whitening.swan_cost(m) for m in specs])
     loads = tuple((c, s[0] * s[1] * 4, n) for c, (n, s) in zip(costs[0], shapes))
     owners = {"muon": _balance_loads_across_partitions(loads, initial_cumulative_primary_loads=(0,) * world)[0],
               "swan": [b.owners[m] for m in range(len(specs)) for b in plan.buckets if m in b.owners]}
@@ -140,16 +137,14 @@ def planning_rows(flavor: str, world: int) -> dict:
             **{k: score(o) for k, o in owners.items()}}
 
 
-def planning() -> str:
+def planning(args) -> str:
     plan = [planning_rows(f, w) for f in ("debugmodel", "8B") for w in (2, 8, 64)]
     body = ("DistMuon's owner assignment (its greedy LPT balancer `_balance_loads_across_partitions` on its cost "
-            "model `_estimate_muon_compute_cost`, NS 5 steps) against swan_dist's planner (`swan_plan`), one bucket "
-            "each, for torchtitan's llama3's whitened matrices (fused wqkv one matrix in both), FSDP row shards over "
-            "W ranks. Imbalance: slowest owner's cost / mean, on each cost model; bytes: the most any rank sends per "
-            "step (its row shard of every matrix it does not own, to the owner and back, fp32). DistMuon cannot run "
-            "without CUDA: planning only, its timings on a GPU are `--cuda`'s.\n\n| model | W | matrices | DistMuon: "
-            "imbalance (its cost) | (SWAN cost) | MiB sent | swan_dist: imbalance (DistMuon cost) | (SWAN cost) | "
-            "MiB sent |\n|---|" + "---:|" * 8 + "\n")
+            "model `_estimate_muon_compute_cost`, NS 5 steps) against swan_dist's `swan_plan`, one bucket each, for "
+            "torchtitan's llama3's whitened matrices, FSDP row shards over W ranks: slowest owner's cost / mean on "
+            "each cost model; the most a rank sends per step (fp32, both ways). Planning only: DistMuon needs CUDA."
+            "\n\n| model | W | matrices | DistMuon: imbalance (its cost) | (SWAN cost) | MiB sent | swan_dist: "
+            "imbalance (DistMuon cost) | (SWAN cost) | MiB sent |\n|---|" + "---:|" * 8 + "\n")
     for p in plan:
         body += f"| {p['model']} | {p['W']} | {p['matrices']} | " + " | ".join(
             f"{p[k][0]:.3f} | {p[k][1]:.3f} | {p[k][2] / MiB:,.1f}" for k in ("muon", "swan")) + " |\n"
@@ -159,89 +154,73 @@ def planning() -> str:
                    ". Where W exceeds the matrices (debugmodel at W=64: 30) most ranks own none.\n")
 
 
-# ---------------------------------------------------------------- CPU and CUDA runs
 def cpu(args) -> str:
-    import torchtitan_harness
     tmp, rows, best = tempfile.mkdtemp(prefix="swan_tt_bench_"), [], {}
-    torchtitan_harness.make_assets(os.path.join(tmp, "assets"), seq_len=64)
-    for opt, key, lr in (("torchtitan AdamW", "adamw", 8e-4), ("torchtitan AdamW", "adamw", 3e-3),
-                         ("swan_dist SWAN‡", "swan", 2e-3), ("swan_dist SWAN‡", "swan", 8e-3)):
-        out = os.path.join(tmp, f"{key}{lr}")
-        r = launch(2, ["--module", "torchtitan_configs", "--config", f"llama3_{key}_lr{lr:g}", "--dump_folder", out,
-                       "--training.steps", str(args.steps), "--training.seq_len", "64", "--training.local_batch_size",
-                       "4", "--training.global_batch_size", "8", "--lr_scheduler.warmup_steps", "2"],
-                   os.path.join(tmp, "assets"), os.path.abspath(__file__),
-                   env={"SWAN_TT_OUT": out, "SWAN_TT_PROBE": "1"})
-        r.update(json.load(open(os.path.join(out, "0.json"))))
-        rows.append(f"| {opt} | {lr:g} | {r['loss']:.3f} | {r['step_s']:.3f} | {r['tps']:,.0f} | {r['mem']:.2f} |")
-        if opt not in best or r["loss"] < best[opt][1]["loss"]:
-            best[opt] = (lr, r)
-    (la, a), (ls, s) = best["torchtitan AdamW"], best["swan_dist SWAN‡"]
-    a["name"], s["name"] = "torchtitan AdamW (fused)", "swan_dist SWAN‡"
-    body = (f"torchtitan {importlib.metadata.version('torchtitan')}, its trainer at W=2 (FSDP2, gloo, float32), "
-            f"debug llama3 (6 layers, dim 256, vocab 2048), seq 64, global batch 8, {args.steps} steps, warmup 2, "
-            "linear decay, clipping at 1.0; the harness's tiny data (two alternating documents: losses fall fast); "
-            "each job in a launch of its own. "
-            "Step time: the median interval between torchtitan's step logs; tokens/s: its `tps` (median); memory: "
-            "peak resident set (`ru_maxrss`, whole process); all per rank, rank 0.\n\n| optimizer | lr | loss at the "
-            "last step | s/step | tokens/s per rank | peak RSS per rank (GiB) |\n|---|---:|---:|---:|---:|---:|\n"
-            + "\n".join(rows) + f"\n\nAt each one's best lr: AdamW (lr {la:g}) {a['loss']:.3f}, SWAN‡ (lr {ls:g}) "
-            f"{s['loss']:.3f}; SWAN's step {s['step_s'] / a['step_s']:.2f}x AdamW's, its peak RSS "
-            f"{s['mem'] / a['mem']:.2f}x (where a ratio is above 1, swan_dist is behind).\n\n**Where the time goes** "
-            "(these two jobs, ms, the mean over steps 3 to N-1): torchtitan's `train_step`, its optimizers' `step`, "
-            "and in SWAN's: the whitening (`swan_compute`: GradNorm, NSDS), the exchange (stacks assembled, "
-            "all_to_all and its waits, updates applied), the fallback rule (AdamW: embeddings, head, norms), the "
-            "rest (pieces collected, the agreement, the closing status).\n\n| optimizer | iteration | optimizer "
-            "step | step / iteration | whitening | exchange | fallback | bookkeeping |\n|---|" + "---:|" * 7 + "\n")
-    for r in (a, s):
-        ms = r["ms"]
-        body += (f"| {r['name']} | {ms['iteration']:.1f} | {ms['step']:.1f} | {ms['step'] / ms['iteration']:.2f} | "
+    __import__("torchtitan_harness").make_assets(os.path.join(tmp, "assets"), seq_len=64)
+    for opt, config in (("torchtitan AdamW", "llama3_adamw_lr0.0008"), ("torchtitan AdamW", "llama3_adamw_lr0.003"),
+                        ("swan_dist SWAN‡", "llama3_swan_lr0.002"), ("swan_dist SWAN‡", "llama3_swan_lr0.008")):
+        r = launch(2, config, args.steps, tmp, "--training.seq_len", "64", "--training.local_batch_size", "4",
+                   "--training.global_batch_size", "8", "--lr_scheduler.warmup_steps", "2", probe=True)
+        r["lr"], r["gib"] = config.split("_lr")[1], r["mib"]["peak"] / 1024
+        rows.append(f"| {opt} | {r['lr']} | {r['loss']:.3f} | {r['step_s']:.3f} | {r['tps']:,.0f} | {r['gib']:.2f} |")
+        best[opt] = min(best.get(opt, r), r, key=lambda x: x["loss"])
+    a, s = best["torchtitan AdamW"], best["swan_dist SWAN‡"]
+    body = (f"torchtitan {importlib.metadata.version('torchtitan')}'s trainer at W=2 (FSDP2, gloo, float32), debug "
+            f"llama3 (6 layers, dim 256, vocab 2048), seq 64, global batch 8, {args.steps} steps, warmup 2, linear "
+            "decay, clipping 1.0, the harness's tiny data; each job in a launch of its own; rank 0: s/step the median "
+            "interval between step logs, tokens/s torchtitan's `tps`, memory the peak resident set (`VmHWM`)."
+            "\n\n| optimizer | lr | loss at the last step | s/step | tokens/s per rank | peak RSS per rank (GiB) |\n"
+            "|---|---:|---:|---:|---:|---:|\n" + "\n".join(rows) + f"\n\nAt each one's best lr: AdamW (lr {a['lr']}) "
+            f"{a['loss']:.3f}, SWAN‡ (lr {s['lr']}) {s['loss']:.3f}; SWAN's step {s['step_s'] / a['step_s']:.2f}x "
+            f"AdamW's, its peak RSS {s['gib'] / a['gib']:.2f}x (where a ratio is above 1, swan_dist is behind).\n\n"
+            "**Where the time goes** (these two jobs, ms, the mean over steps 3 to N-1): the iteration "
+            "(`train_step`), the optimizers' `step`, in SWAN's the whitening (`swan_compute`), the exchange (stacks "
+            "assembled, all_to_all and its waits, updates applied), the fallback rule (AdamW) and the rest.\n\n"
+            "| optimizer | iteration | optimizer step | step / iteration | whitening | exchange | fallback | "
+            "bookkeeping |\n|---|" + "---:|" * 7 + "\n")
+    mem = ("\n**Where the memory goes** (MiB): the resident set before step 1 and its peak; live tensors at the "
+           "last iteration's peak under torch's `MemTracker` by category; around that `step()`: live as it starts, "
+           "the transient over that, and SWAN's bound on it (`Exchange.transient_bound`).\n\n| optimizer | RSS "
+           "before step 1 | peak RSS | params | grads | opt. state | activations | temporaries | tracked peak | live "
+           "at step() | step transient | bound |\n|---|" + "---:|" * 11 + "\n")
+    for name, r in (("torchtitan AdamW (fused)", a), ("swan_dist SWAN‡", s)):
+        ms, m = r["ms"], r["mib"]
+        body += (f"| {name} | {ms['iteration']:.1f} | {ms['step']:.1f} | {ms['step'] / ms['iteration']:.2f} | "
                  + " | ".join(f"{ms[k]:.1f}" if r is s else "-" for k in PARTS) + " |\n")
-    body += ("\n**Where the memory goes** (MiB): the resident set before step 1 (torch, torchtitan, gloo, Python, "
-             "the model) and its peak; live tensors at the last iteration's peak under torch's `MemTracker`, by "
-             "category (the rank's shards of parameters, gradients, optimizer state; activations; temporaries); "
-             "around that `step()`: live as it starts, the transient over that, and SWAN's bound on it "
-             "(`Exchange.transient_bound`, docs/engine.md, \"Memory a step adds\").\n\n| optimizer | RSS before "
-             "step 1 | peak RSS | params | grads | opt. state | activations | temporaries | tracked peak | live at "
-             "step() | step transient | bound |\n|---|" + "---:|" * 11 + "\n")
-    for r in (a, s):
-        m = r["mib"]
-        body += (f"| {r['name']} | {m['start']:.0f} | {r['mem'] * 1024:.0f} | " + " | ".join(f"{m[k]:.1f}" for k in (
+        mem += (f"| {name} | {m['start']:.0f} | {m['peak']:.0f} | " + " | ".join(f"{m[k]:.1f}" for k in (
             *TRACKED, "live_before_step", "transient")) + (f" | {m['bound']:.1f} |\n" if r is s else " | - |\n"))
-    return body
+    return body + mem
 
 
 def cuda(args) -> str | None:
+    import torch
+    if not torch.cuda.is_available():
+        return print("no CUDA device; skipped")
     try:
-        import torch
         import torchtitan.train  # noqa: F401
     except Exception as e:  # noqa: BLE001
         return print(f"torchtitan does not import here ({type(e).__name__}: {e}); skipped")
-    if not torch.cuda.is_available():
-        return print("no CUDA device; skipped")
     tmp, rows = tempfile.mkdtemp(prefix="swan_tt_cuda_"), []
     for name in ("adamw", "distmuon", "swan"):
         try:
-            r = launch(1, ["--module", "torchtitan_configs", "--config", f"cuda_{name}", "--dump_folder",
-                           os.path.join(tmp, name), "--training.steps", str(args.steps)], os.path.join(tmp, "assets"),
-                       os.path.join(TESTS, "torchtitan_harness.py"), 300)
+            r = launch(1, f"cuda_{name}", args.steps, tmp)
             rows.append(f"| {name} | {r['step_s']:.4f} | {r['tps']:,.0f} | {r['mem']:.2f} |")
         except (SystemExit, subprocess.TimeoutExpired) as e:
             rows.append(f"| {name} | failed: {e} | | |")
-    return ("torchtitan's trainer at W=1 on the GPU, llama3 debugmodel (seq 512, batch 8; the harness's tokenizer "
-            "and data), bf16 autocast off at W=1 (FSDP not applied), each optimizer by its one config entry; step "
-            "time: median interval between step logs; memory: torchtitan's max active (`torch.cuda` peak).\n\n"
+    return ("torchtitan's trainer at W=1 on the GPU, llama3 debugmodel (seq 512, batch 8), bf16 autocast off at W=1 "
+            "(FSDP not applied), each optimizer by its one config entry; s/step: median interval between step logs; "
+            "memory: torchtitan's max active (`torch.cuda` peak).\n\n"
             "| optimizer | s/step | tokens/s | peak GiB |\n|---|---:|---:|---:|\n" + "\n".join(rows) + "\n")
 
 
-SECTIONS = {"planning_only": ("torchtitan-planning", "torchtitan: DistMuon's owner planning vs swan_dist's (planning "
-                              "only, no device)", lambda args: planning()),
+SECTIONS = {"planning": ("torchtitan-planning", "torchtitan: DistMuon's owner planning vs swan_dist's (planning only, "
+                         "no device)", planning),
             "cuda": ("torchtitan-cuda", "torchtitan (GPU): AdamW vs DistMuon vs SWAN at W=1", cuda),
             "cpu": ("torchtitan-cpu", "torchtitan (CPU): SWAN vs torchtitan's AdamW in its trainer (W=2)", cpu)}
 
 
 def main() -> None:
-    if os.environ.pop("SWAN_TT_PROBE", None):
+    if os.environ.pop("SWAN_TT_PROBE", "") == "True":
         return probed(sys.argv[1:])
     ap = argparse.ArgumentParser(description=__doc__.split(":")[0])
     ap.add_argument("--cuda", action="store_true")
@@ -249,8 +228,8 @@ def main() -> None:
     ap.add_argument("--planning-only", action="store_true", help="only DistMuon's planning vs swan_dist's (no launch)")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
-    __import__("torchtitan_harness").cpu_device()  # no CUDA here: torchtitan's device picked at import is the CPU
-    key, title, make = SECTIONS["planning_only" if args.planning_only else "cuda" if args.cuda else "cpu"]
+    __import__("torchtitan_harness").cpu_device()  # without CUDA, torchtitan's device (picked at import) is the CPU
+    key, title, make = SECTIONS["planning" if args.planning_only else "cuda" if args.cuda else "cpu"]
     body = make(args)
     if body and not args.no_write:
         measure.write_section(key, title, body)
