@@ -116,7 +116,7 @@ def tracked(model, opts, step) -> dict:
 
 
 def child(size: str, name: str, args) -> dict:
-    """One optimizer's rows in this process: on the CPU the resident peak (``VmHWM`` reset after the warm-up,
+    """One optimizer's row, measured in this process: on the CPU the resident peak (``VmHWM`` reset after the warm-up,
     above the RSS before the model was built) then MemTracker's; on a GPU torch.cuda's peaks (reset after
     the warm-up); with ``--estimate-child`` MemTracker's peak of the step under ``FakeTensorMode``."""
     cuda, fake, mode = args.device == "cuda", args.estimate_child, contextlib.nullcontext()
