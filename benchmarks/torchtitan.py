@@ -21,6 +21,7 @@ TESTS = os.path.join(os.path.dirname(HERE), "tests")
 # named like the package it measures: its folder last on the path (``import torchtitan`` finds torchtitan)
 sys.path = [p for p in sys.path if os.path.abspath(p or os.getcwd()) != HERE] + [TESTS, HERE]
 import measure  # noqa: E402
+import torch  # noqa: E402
 from swan_dist import engine, whitening  # noqa: E402
 
 LOG = re.compile(r"^\[titan\] (\S+ \S+) .*?step:\s+\d+\s+\S*\s*loss:\s+([-0-9.]+).*?memory:\s+([0-9.]+)GiB"
@@ -31,8 +32,7 @@ TRACKED = ("Parameter", "Gradient", "Optstate", "Activation", "Temp", "Total")  
 
 
 def launch(nproc: int, config: str, steps: int, tmp: str, *extra: str, probe: bool = False) -> dict:
-    """One job in a launch of its own, from rank 0's log: last loss, memory (GiB), tokens/s, seconds per step;
-    ``probe``: each rank :func:`probed`, and rank 0's parts (``ms``, ``mib``)."""
+    """One job in a launch of its own: rank 0's last loss, memory (GiB), tokens/s, s/step, ``probe``d parts."""
     out, entry = os.path.join(tmp, config), os.path.abspath(__file__) if probe else f"{TESTS}/torchtitan_harness.py"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
            "--local-ranks-filter", "0", entry, "--module", "torchtitan_configs", "--config", config,
@@ -110,7 +110,6 @@ def probed(argv: list[str]) -> None:
 def planning_rows(flavor: str, world: int) -> dict:
     """DistMuon's and swan_dist's owners for torchtitan's llama3 ``flavor`` (its whitened matrices, built on the
     meta device): imbalance on each cost model (slowest owner / mean) and the most bytes a rank sends (fp32)."""
-    import torch
     from torchtitan.distributed.flex_shard.dist_muon import (
         _balance_loads_across_partitions, _estimate_muon_compute_cost)
     from torchtitan.models.llama3 import model_registry
@@ -193,7 +192,6 @@ def cpu(args) -> str:
 
 
 def cuda(args) -> str | None:
-    import torch
     if not torch.cuda.is_available():
         return print("no CUDA device; skipped")
     try:
