@@ -176,7 +176,8 @@ def main() -> None:
     if multi:  # one GPU per rank under NCCL; on the CPU, gloo
         wnames = ["adamw-foreach", "swan-none@owner", "swan-none+sign@owner", "swan-none@local"]
         wrows = spawn(_rank, args.world, LAYERS, DIM, args.steps, wnames, cuda)[0]
-        lines += table(wrows, n_tensors, args.world)[2:]
+        wlines = table(wrows, n_tensors, args.world)  # its header adds the collectives column: W=1 rows get '-'
+        lines = wlines[:2] + [line + " - |" for line in lines[2:]] + wlines[2:]
         found += [dict(r, world=args.world) for r in wrows]
     if args.json:
         Path(args.json).write_text(json.dumps([{k: r[k] for k in ("world", "name", "t", "syncs")} for r in found]))
