@@ -122,6 +122,23 @@ def write_section(key: str, title: str, body: str) -> None:
     (results / f"{key}.json").write_text(json.dumps(record, indent=1, ensure_ascii=False) + "\n")
 
 
+def publish(key: str, title: str, text: str, write: bool = True) -> None:
+    """``text`` printed and, with ``write``, made section ``key`` of the docs page (:func:`write_section`)."""
+    print(text, flush=True)
+    if write:
+        write_section(key, title, text)
+
+
+def mib(b: float | None) -> str:
+    """Bytes as whole MiB (2^20) with thousands separators; ``-`` for none."""
+    return "-" if b is None else f"{b / 2**20:,.0f}"
+
+
+def row(*cells) -> str:
+    """A Markdown table row."""
+    return "| " + " | ".join(map(str, cells)) + " |"
+
+
 _STAMP = re.compile(r"_Measured (?P<date>\S+) by `(?P<script>[^`]+)` \((?:`(?P<command>[^`]*)`|command not recorded)\), "
                     r"commit (?P<commit>[^,]+), (?:host CPU (?P<cpu>[^,]+), )?(?P<device>[^.]*)\.?_")
 
