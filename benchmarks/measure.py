@@ -1,9 +1,6 @@
-"""The measuring every benchmark shares, so that a measurement changes in one place: timing by rounds,
-peak memory (resident: ``VmHWM``; live tensors: torch's ``MemTracker`` / ``FSDPMemTracker``, also traced on
-fake tensors), free ports for spawned ranks, and the report: a section of docs/benchmarks.md (other
-sections kept) written with its provenance stamp (date, script, command, commit, host CPU, GPU), the same
-results as JSON in docs/results/<section>.json (every Markdown table as rows of cells), and runs of a
-script against another commit. A script answers one question; what it measures with is here."""
+"""What every benchmark measures with: timing by rounds, peak memory (resident ``VmHWM``; live tensors by
+MemTracker, also traced on fake tensors), spawned ranks, runs against another commit, and the report: a
+section of docs/benchmarks.md with its provenance stamp and its tables as JSON in docs/results/."""
 
 from __future__ import annotations
 
@@ -97,11 +94,9 @@ def tables(body: str) -> list[dict[str, list]]:
 
 
 def write_section(key: str, title: str, body: str) -> None:
-    """Section ``key`` of docs/benchmarks.md (or, for ``DOC`` set elsewhere, that page) replaced by ``title``,
-    the stamp and ``body``; its JSON record beside. Figures come from a clean commit: where the checkout has
-    uncommitted changes (other than earlier benchmarks' reports) a section of the repository's docs is not
-    written but left in /tmp/<key>.md, unless ``SWAN_BENCH_ALLOW_CHANGES=1`` (the stamp then says ``+changes``); measure from a
-    clean checkout of the commit (``git worktree add``) to leave others' edits where they are."""
+    """Section ``key`` of ``DOC`` replaced by ``title``, the stamp and ``body`` (text after its end marker kept);
+    its JSON record beside. From a checkout with uncommitted changes it is left in /tmp/<key>.md instead
+    (``SWAN_BENCH_ALLOW_CHANGES=1``: written, stamped ``+changes``): measure from a clean ``git worktree``."""
     prov = provenance()
     if (prov["commit"].endswith("+changes") and DOC.parent == _DOCS
             and os.environ.get("SWAN_BENCH_ALLOW_CHANGES") != "1"):
@@ -143,31 +138,10 @@ _STAMP = re.compile(r"_Measured (?P<date>\S+) by `(?P<script>[^`]+)` \((?:`(?P<c
                     r"commit (?P<commit>[^,]+), (?:host CPU (?P<cpu>[^,]+), )?(?P<device>[^.]*)\.?_")
 
 
-def export(doc: Path) -> list[Path]:
-    """The JSON record of every section of ``doc`` from its Markdown (for sections measured before scripts
-    wrote JSON themselves): provenance parsed from the section's stamp, its tables. Returns the files written."""
-    out = []
-    for m in re.finditer(r"<!-- begin:(?P<key>[\w-]+) -->\n## (?P<title>.*?)\n\n(?P<body>.*?)<!-- end:(?P=key) -->",
-                         doc.read_text(), re.S):
-        stamp = _STAMP.search(m["body"])
-        prov = {k: (stamp[k] if stamp else None) for k in ("date", "script", "command", "commit", "cpu")}
-        gpu = stamp["device"] if stamp else None
-        prov["gpu"] = gpu[len("GPU "):] if gpu and gpu.startswith("GPU ") else None
-        record = {"section": m["key"], "title": m["title"], **prov, "exported_from": doc.name,
-                  "tables": tables(m["body"]), "markdown": m["body"].strip()}
-        path = doc.parent / "results" / f"{m['key']}.json"
-        path.parent.mkdir(exist_ok=True)
-        path.write_text(json.dumps(record, indent=1, ensure_ascii=False) + "\n")
-        out.append(path)
-    return out
-
-
 def against(commit: str, script: str, argv: list[str], rounds: int = 2) -> tuple[list[list[dict]], list[list[dict]]]:
-    """``script`` (this checkout's benchmark) run ``rounds`` times on this checkout's swan_dist and as many on
-    ``commit``'s (its ``swan_dist/``, ``integrations/`` and ``configs/`` put first on PYTHONPATH; a module the benchmark
-    needs that the commit lacks, such as ``swan_dist/host_reads.py``, taken from this checkout), in turn
-    (new, old, new, old: a load change on the machine hits both alike). Each run gets ``argv`` plus
-    ``--no-write --json FILE`` and writes its rows there; returns (this checkout's runs, the commit's)."""
+    """``script`` run ``rounds`` times on this checkout's library and as many on ``commit``'s (its ``swan_dist/``,
+    ``integrations/``, ``configs/`` first on PYTHONPATH; ``swan_dist/host_reads.py`` from here where it lacks it),
+    in turn, with ``argv --no-write --json FILE``: (this checkout's rows per run, the commit's)."""
     import shutil
     import tempfile
 
@@ -195,14 +169,10 @@ def against(commit: str, script: str, argv: list[str], rounds: int = 2) -> tuple
 def against_table(commit: str, new: list[list[dict]], old: list[list[dict]], group: tuple[str, str, str],
                   ref: tuple[str, str], extra: tuple[str, Callable[[dict, dict], str]] | None = None,
                   ) -> tuple[list[str], dict[tuple, tuple[float, float]]]:
-    """The Markdown table of :func:`against`'s runs (rows with ``name`` and median step seconds ``t``): per
-    row, keyed by its ``group`` field and ``name``, the best of the rounds' medians (a round slowed by the
-    machine counts least) on this checkout and on ``commit``, their ratio, and the ratio with each run's
-    time taken relative to its own ``ref`` row of the same group.
-
-    ``group``: (row field, column header, column alignment such as ``---:``); ``ref``: (optimizer name, as
-    the header calls it); ``extra``: a last column's header and its cell from the two best rows (this
-    checkout's, ``commit``'s). Returns the table's lines and, per key, (ratio, ratio relative to ``ref``)."""
+    """:func:`against`'s runs (rows with ``name`` and seconds ``t``) as a table: per (``group`` field, name) the
+    best round on each side, their ratio, and the ratio with each side relative to its own ``ref`` row.
+    ``group``: (field, header, alignment); ``ref``: (name, as the header says it); ``extra``: a last column
+    (header, cell of the two best rows). Returns the lines and per key (ratio, ratio relative to ``ref``)."""
     def best(runs: list[list[dict]]) -> dict[tuple, dict]:
         out: dict[tuple, dict] = {}
         for run in runs:
@@ -415,21 +385,3 @@ def traced(world: int, rank: int = 0):
             dist.destroy_process_group()
 
     return group()
-
-
-# ------------------------------------------------------------------------------------------ plots
-def save_plot(fig, path: Path | str, dpi: int | None = None) -> None:
-    """``fig`` (matplotlib) written to ``path`` and closed."""
-    import matplotlib.pyplot as plt
-
-    fig.savefig(path, **({"dpi": dpi} if dpi else {}))
-    plt.close(fig)
-
-
-if __name__ == "__main__":  # python benchmarks/measure.py: docs/results/*.json from the Markdown sections
-    for page in (DOC, DOC.parent / "convergence.md"):
-        if page.exists():
-            for path in export(page):
-                print(path.relative_to(DOC.parent.parent))
-
-
