@@ -6,29 +6,11 @@
 #
 #     bash benchmarks/gpu_suite.sh
 #
-# Steps (each under `timeout`, inside an overall budget, so one failure or hang does not stop the rest):
-#   0. install .whl/*.whl to /tmp/site; make swan_dist importable from this checkout (below); print
-#      nvidia-smi, torch/CUDA versions and what imports;
-#   a. benchmarks/optimizer_step.py on CUDA (writes the `optimizer-step-cuda` section); benchmarks/lean_step.py
-#      at W=1 (`lean-step-cuda`);
-#   b. benchmarks/megatron.py under torchrun at W=1 with NCCL: a larger model (writes `megatron-cuda`),
-#      then the CPU run's default model (log only, for comparison with the CPU section);
-#   c. benchmarks/whitening.py (swan_update vs its GEMMs, fp32 and bf16);
-#   d. benchmarks/cuda_numerics.py (SWAN's math and one optimizer step on the GPU vs fp64/CPU);
-#   d0. tests/test_capturable.py: no sync in steady steps (sync debug mode "error"), a CUDA graph of the step;
-#   d0b. benchmarks/captured_step.py: the step eager and captured at 1.3B and 7B (bf16) against AdamW foreach /
-#      fused and torch's Muon (writes `captured-step-cuda`); benchmarks/whitening.py at 1.3B's shapes (bf16);
-#   d1. benchmarks/memory.py --device cuda: peak allocated/reserved per optimizer, LLaMA 1.3B and
-#      7B in bf16 at batch 1 (writes `memory-cuda`; without CUDA a tiny CPU run instead, nothing written);
-#   d2. benchmarks/torchtitan.py --cuda: torchtitan's trainer at W=1, AdamW vs DistMuon vs SWAN step time and
-#      peak memory (writes `torchtitan-cuda`; soft: skipped where torchtitan, carried in .whl/, does not import);
-#   e. with a Megatron-LM checkout carried in .mlm/ (pretrain_gpt.py, megatron/; git-ignored):
-#      pretrain_gpt.py --optimizer swan end to end on NCCL (bf16, distributed optimizer, save + resume).
-# A summary, docs/benchmarks.md (with the sections written here) and the logs (one per step, in logs.tar.gz) go
-# to $OUT (the device tool's folder, which brings back 8 files at most; ./runs/gpu_suite elsewhere).
-# Budget: SUITE_BUDGET_S seconds for the steps (default 540, under the device tool's 600 s a command); the steps
-# run in the order below, the optimizer step's first, so that a short loan measures what matters most.
-# Without CUDA (a dry run, e.g. PYTHON=.venv/bin/python) the benchmarks run on the CPU, write nothing.
+# Each step runs under `timeout` within SUITE_BUDGET_S seconds in all (default 540, under the device tool's
+# 600 s a command), the optimizer step's first, so that one failure or hang does not stop the rest and a short
+# loan measures what matters most; SUITE_STEPS="a b" runs only those. The GPU runs write their sections of
+# docs/benchmarks.md; a summary, that page and the logs (logs.tar.gz) go to $OUT (./runs/gpu_suite elsewhere).
+# Without CUDA (a dry run, e.g. PYTHON=.venv/bin/python) the benchmarks run small on the CPU and write nothing.
 
 set -u
 cd "$(dirname "$0")/.."
@@ -76,10 +58,8 @@ step() {
     else
         echo "no .whl/ folder: megatron-core must already be importable (carry .whl)"
     fi
-    # swan_dist is not pip-installed there, and setup.py maps the subpackage swan_dist.integrations to the
-    # top-level integrations/ folder, which a plain PYTHONPATH entry cannot express. So $SITE/swan_dist is a
-    # folder of symlinks: swan_dist/'s entries plus integrations -> ../integrations. Module paths resolve
-    # through the links into this checkout, the presets (package data, swan_dist/configs) included.
+    # swan_dist from this checkout without installing it: setup.py maps swan_dist.integrations to the top-level
+    # integrations/, which PYTHONPATH cannot express, so $SITE/swan_dist is a folder of links into the checkout
     rm -rf "$SITE/swan_dist"
     mkdir -p "$SITE/swan_dist"
     for f in "$PWD"/swan_dist/*; do
@@ -137,7 +117,9 @@ fi
 step optimizer_step 90 $PY benchmarks/optimizer_step.py "${NOWRITE[@]}"
 # the bookkeeping step on many small matrices (one GPU: W=1 only; writes `lean-step-cuda`)
 step lean_step 60 $PY benchmarks/lean_step.py --world 0 $([ "$CUDA" = 1 ] || echo "--steps 5") "${NOWRITE[@]}"
+# SWAN's math and one optimizer step on the GPU against fp64 on the CPU
 step cuda_numerics 60 $PY benchmarks/cuda_numerics.py
+# megatron-core at W=1 on NCCL, a ~150M model (writes `megatron-cuda`)
 step megatron 120 $PY -m torch.distributed.run --standalone --nproc-per-node 1 benchmarks/megatron.py "${BIG[@]}" \
     "${NOWRITE[@]}"
 # torchtitan at W=1: AdamW vs DistMuon vs SWAN (torchtitan and its pure-Python dependencies carried as wheels in
