@@ -6,8 +6,6 @@ ablations; the convergence-<device>-<model> section of docs/benchmarks.md and it
     python benchmarks/convergence.py --quick               # smoke: a few steps each, written to a temp file
 """
 
-from __future__ import annotations
-
 import importlib.util
 import json
 import math
@@ -24,7 +22,7 @@ if "study" not in sys.modules:  # by its path: benchmarks/ on sys.path would sha
     sys.modules["study"] = importlib.util.module_from_spec(_spec)
     _spec.loader.exec_module(sys.modules["study"])
 study = sys.modules["study"]
-Arm = study.Arm
+measure, Arm = study.measure, study.Arm
 
 MAIN = (
     Arm("swan_ddagger", "SWAN‡", "swan", "swan_ddagger"),
@@ -79,13 +77,11 @@ def summarise(runs: list[dict[str, Any]], target: float, adamw_tokens: float) ->
     finals = [r["final_val_loss"] for r in runs]
     reach = study.tokens_to_reach(study.mean_curve(runs), target)
     per_seed = [study.tokens_to_reach(r["curve"], target) for r in runs]
-    return {
-        "final": sum(finals) / len(finals), "final_min": min(finals), "final_max": max(finals),
-        "ratio": None if reach is None else reach / adamw_tokens,
-        "ratio_seeds": [None if x is None else x / adamw_tokens for x in per_seed],
-        "state": sum(r["optimizer_state"] for r in runs) / len(runs),
-        "us_per_token": sum(1e6 / r["tok_per_s"] for r in runs) / len(runs), "n": len(runs),
-    }  # fmt: skip
+    return {"final": sum(finals) / len(finals), "final_min": min(finals), "final_max": max(finals),
+            "ratio": None if reach is None else reach / adamw_tokens,
+            "ratio_seeds": [None if x is None else x / adamw_tokens for x in per_seed],
+            "state": sum(r["optimizer_state"] for r in runs) / len(runs),
+            "us_per_token": sum(1e6 / r["tok_per_s"] for r in runs) / len(runs), "n": len(runs)}
 
 
 def table(rows: list[tuple[str, str, dict[str, Any]]]) -> list[str]:
@@ -107,8 +103,8 @@ def table(rows: list[tuple[str, str, dict[str, Any]]]) -> list[str]:
                 lo = f"{min(reached):.2f}" if reached else "n/r"
                 hi = "n/r" if len(reached) < s["n"] else f"{max(reached):.2f}"
                 ratio += f" ({lo}–{hi})"
-        lines.append(f"| {label} | {lr} | {loss} | {ppl} | {ratio} | {s['state'] / 2**20:.2f} MiB | "
-                     f"{s['us_per_token']:.0f} |")
+        state, us = f"{s['state'] / 2**20:.2f} MiB", f"{s['us_per_token']:.0f}"
+        lines.append(measure.row(label, lr, loss, ppl, ratio, state, us))
     return lines
 
 
@@ -125,13 +121,11 @@ def plot(path: Path, panels: list[tuple[str, list[tuple[str, list[dict[str, Any]
 
 
 def parse(argv: list[str] | None) -> Any:
-    ap = study.parser(__doc__.split("\n\n")[0])
-    ap.add_argument("--tokens", type=int, default=2_000_000, help="training tokens per run after the sweeps")
+    ap = study.parser(__doc__, tokens=2_000_000, calib_steps=4)
     ap.add_argument("--seeds", type=study.listed(int), default=[0, 1], help="the sweeps use the first")
     ap.add_argument("--ablation-seeds", type=study.listed(int), help="default: --seeds")
     ap.add_argument("--muon-lrs", type=study.listed(float), default=[1e-3, 2e-3, 5e-3, 1e-2], help="Muon lr grid")
     ap.add_argument("--no-ablations", action="store_true")
-    ap.add_argument("--calib-steps", type=int, default=4, help="steps per optimizer of the runtime estimate")
     ap.add_argument("--estimate-only", action="store_true", help="print the expected runtime and stop")
     args = study.parse(ap, argv)
     if args.quick:
@@ -142,30 +136,24 @@ def parse(argv: list[str] | None) -> Any:
 
 
 def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else list(argv)
     args = parse(argv)
     work, out = study.folders(args, f"convergence-{args.model}", "benchmarks.md")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     cores = len(os.sched_getaffinity(0))
     parallel = max(1, min(args.jobs, cores // (args.threads or cores)))  # runs the cores hold at --threads each
     started = time.perf_counter()
-    print(f"convergence study: model {args.model}{args.model_overrides or ''}, {args.batch}x{args.seq} tokens/step, "
-          f"{args.tokens:,} tokens x seeds {args.seeds}, sweeps {args.sweep_tokens:,} tokens, on {device} "
-          f"({cores} cores, --jobs {args.jobs}); runs in {work}\ncalibrating the runtime estimate:", flush=True)
+    print(f"convergence study: model {args.model}{args.model_overrides or ''}, {args.tokens:,} tokens x seeds "
+          f"{args.seeds}, on {device} ({cores} cores); runs in {work}\ncalibrating the runtime estimate:", flush=True)
     with study.Study(args, work) as runs:
         rates = calibrate(runs)
         expected, n_runs = estimate(args, rates, parallel)
         speeds = ", ".join(f"{k} {1 / r['s_per_token']:,.0f}" for k, r in rates.items())
         print(f"expected runtime: about {hms(expected)} for {n_runs} runs, {parallel} at a time (--jobs {args.jobs}, "
-              f"{cores} cores, --threads {args.threads}) (from {args.calib_steps}-step runs at {speeds} tok/s; more "
-              "if a sweep extends its grid)", flush=True)
+              f"--threads {args.threads}; {args.calib_steps}-step runs at {speeds} tok/s)", flush=True)
         if args.estimate_only:
             return
-        grids = [(a, runs.grid(a, study.grid_of(args, a))) for a in SWEPT]
-        sweeps = {}
-        for arm, grid in grids:  # every grid submitted at once; the extensions follow, arm by arm
-            print(f"lr sweep {arm.label}:", flush=True)
-            sweeps[arm.key] = runs.sweep(arm, grid)
+        grids = [(a, runs.grid(a, study.grid_of(args, a))) for a in SWEPT]  # all at once; extensions arm by arm
+        sweeps = {arm.key: runs.sweep(arm, grid) for arm, grid in grids}
         lr_of = {key: s["best"] for key, s in sweeps.items()}
         # the main comparison and the ablations (at SWAN‡'s lr) are independent of each other: submitted at once
         submitted = [runs.submit(a, lr_of.get(a.key), args.tokens, s, f"main/{a.key}/seed{s}", args.eval_every_tokens)
@@ -185,16 +173,15 @@ def main(argv: list[str] | None = None) -> None:
         panels.append(("SWAN‡ ablations", (MAIN[0], *ABLATIONS)))
     plot(png, [(title, [(a.label, results[a.key]) for a in arms]) for title, arms in panels], target)
     elapsed = time.perf_counter() - started
-    context = {"argv": argv, "device": device, "cores": cores, "elapsed": elapsed, "expected": expected, "png": png,
-               "n_params": results["adamw"][0]["n_params"], "tokens": results["adamw"][0]["tokens"]}  # fmt: skip
-    body = report(args, sweeps, stats, context)
-    print(body)
+    context = {"command": measure.provenance()["command"], "device": device, "cores": cores, "elapsed": elapsed,
+               "expected": expected, "png": png, **{k: results["adamw"][0][k] for k in ("n_params", "tokens")}}
     title = f"Convergence ({'GPU' if device == 'cuda' else 'CPU'}, {args.model}): SWAN presets vs AdamW and Muon"
-    study.measure.write_section(f"convergence-{device}-{args.model}", title, body)
-    record = {"args": vars(args), "command": study.command("convergence.py", argv), "cores": cores, "target": target,
+    body = report(args, sweeps, stats, context)
+    measure.publish(f"convergence-{device}-{args.model}", title, body, write=not args.no_write)
+    record = {"args": vars(args), "command": context["command"], "cores": cores, "target": target,
               "elapsed_s": elapsed, "expected_s": expected, "sweeps": sweeps, "stats": stats, "runs": runs.runs}
     (work / "results.json").write_text(json.dumps(record, indent=1, default=str))
-    print(f"wrote {title!r} to {out}, {png} and {work / 'results.json'} (took {hms(elapsed)})", flush=True)
+    print(f"took {hms(elapsed)}; the plot: {png}; every run and results.json: {work}", flush=True)
 
 
 def report(args, sweeps: dict[str, Any], stats: dict[str, Any], ctx: dict[str, Any]) -> str:
@@ -216,45 +203,25 @@ def report(args, sweeps: dict[str, Any], stats: dict[str, Any], ctx: dict[str, A
     if args.jobs > 1:
         where += f", {args.jobs} runs at a time (`--jobs {args.jobs}`)"
     lines = [
-        f"Reference LLaMA {model} ({ctx['n_params'] / 1e6:.2f}M parameters), embedded wiki corpus, "
-        f"{args.batch}x{args.seq} tokens per step, {ctx['tokens']:,} training tokens per run; 10 % linear warm-up, "
-        "cosine decay to 0.1 x lr (SWAN-0: no warm-up, as its preset defines); grad clip 1.0, no weight decay, fp32. "
-        f"Single process (parallel none) per run {where}, torch {torch.__version__}. Validation loss every "
-        f"{args.eval_every_tokens:,} tokens on {args.eval_batches * args.batch} fixed windows. Seeds "
-        f"{', '.join(map(str, args.seeds))}: mean ± half the min–max range (perplexity: of the mean, min–max). "
-        f"The study took {hms(ctx['elapsed'])} (estimated {hms(ctx['expected'])} at its start).",
-        "",
-        "AdamW and Muon are baselines: torch's `AdamW`, and torch's `Muon` on exactly the matrices SWAN whitens "
-        "(AdamW on embeddings, head and norms; Muon's lr scaled to AdamW's update RMS, "
-        "`adjust_lr_fn=\"match_rms_adamw\"`). Tokens to AdamW's final loss: where the mean validation curve first "
-        "reaches the tuned AdamW's mean final validation loss (linear interpolation between evaluations), over "
-        "AdamW's own; seed range in brackets, below 1 is faster. Optimizer state: bytes the optimizer keeps "
-        "(`swan_dist.memory.state_bytes`). µs / token: training time per token, evaluation excluded. "
-        "How to re-run and read this: [convergence.md](convergence.md).",
-        "", "```", study.command("convergence.py", ctx["argv"]), "```", "",
+        f"Reference LLaMA {model} ({ctx['n_params'] / 1e6:.2f}M parameters), {args.batch}x{args.seq} tokens per step, "
+        f"{ctx['tokens']:,} training tokens per run, a single process per run {where}, torch {torch.__version__}. "
+        f"Validation loss every {args.eval_every_tokens:,} tokens on {args.eval_batches * args.batch} fixed windows; "
+        f"seeds {', '.join(map(str, args.seeds))}. The study took {hms(ctx['elapsed'])} (estimated "
+        f"{hms(ctx['expected'])} at its start).",
+        "", "```", ctx["command"], "```", "",
         *rows(MAIN),
         "", f"![validation loss against training tokens]({ctx['png'].name})", "",
-        f"Learning rates: the lowest final validation loss in a sweep of {args.sweep_tokens:,}-token runs (same "
-        f"schedule shape, seed {args.seeds[0]}) that the script runs; a best lr on the grid's edge extends the grid "
-        f"(at most {args.sweep_extend} steps of the 1-2-5 series). SWAN: the global lr (the fallback's; x alpha 0.05 "
-        "on SWAN matrices for SWAN‡ and SWAN†, x 1 for SWAN-0). Short sweeps may favour larger lrs than the full runs "
-        "would.",
-        "",
-        "| optimizer | final val loss per lr (sweep) | chosen lr |",
-        "|---|---|---:|",
+        f"Learning rates: the best of a sweep of {args.sweep_tokens:,}-token runs (seed {args.seeds[0]}), the grid "
+        f"extended at most {args.sweep_extend} steps past an edge best.",
+        "", "| optimizer | final val loss per lr (sweep) | chosen lr |", "|---|---|---:|",
     ]
     for key, s in sweeps.items():
-        lines.append(f"| {BY_KEY[key].label} | {study.cells(s['results'], s['best'])} | {s['best']:g}"
-                     f"{' (grid edge)' if s['edge'] else ''} |")
+        lines.append(measure.row(BY_KEY[key].label, study.cells(s["results"], s["best"]),
+                                 f"{s['best']:g}" + (" (grid edge)" if s["edge"] else "")))
     if args.ablation_seeds:
-        lines += [
-            "",
-            f"Ablations of SWAN‡ at its lr ({lr_cell('swan_ddagger')}), seeds "
-            f"{', '.join(map(str, args.ablation_seeds))}; each changes one thing of SWAN‡ (NSDS 2 steps, RMS "
-            "GradNorm, whitening on):",
-            "",
-            *rows((MAIN[0], *ABLATIONS)),
-        ]
+        lines += ["", f"Ablations of SWAN‡ at its lr ({lr_cell('swan_ddagger')}), seeds "
+                  f"{', '.join(map(str, args.ablation_seeds))}; each changes one thing of SWAN‡ (NSDS 2 steps, RMS "
+                  "GradNorm, whitening on):", "", *rows((MAIN[0], *ABLATIONS))]
     return "\n".join(lines)
 
 

@@ -1,8 +1,5 @@
-"""The run machinery of the convergence studies (convergence.py, lr_rule.py): reference-trainer runs (parallel none)
-in this process or, with ``--jobs N``, N at a time in worker processes; lr sweeps whose grid grows past an edge best;
-the runs' records and validation curves; the flags and folders the two share. Report writing is measure.py's."""
-
-from __future__ import annotations
+"""The run machinery of convergence.py and lr_rule.py: reference-trainer runs, here or ``--jobs N`` at a time in worker
+processes; lr sweeps whose grid grows past an edge best; the runs' records and curves; the flags the two share."""
 
 import argparse
 import contextlib
@@ -12,12 +9,10 @@ import json
 import math
 import multiprocessing
 import os
-import shlex
 import sys
 import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -35,10 +30,9 @@ if "measure" not in sys.modules:  # by its path: benchmarks/ on sys.path would s
     sys.modules["measure"] = importlib.util.module_from_spec(_spec)
     _spec.loader.exec_module(sys.modules["measure"])
 measure = sys.modules["measure"]
-Run = Callable[[], dict[str, Any]]  # a submitted run: called, it gives the run's record
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Arm:
     """One optimizer setting: a trainer ``optimizer`` (+ SWAN preset and extra SWAN options), its weight decay."""
 
@@ -46,7 +40,7 @@ class Arm:
     label: str
     optimizer: str
     preset: str | None = None
-    options: dict[str, Any] = field(default_factory=dict)
+    options: dict[str, Any] = dataclasses.field(default_factory=dict)
     weight_decay: float = 0.0
 
     def sets(self) -> list[str]:
@@ -55,35 +49,28 @@ class Arm:
 
 
 class Study(contextlib.AbstractContextManager):
-    """A study's runs: ``submit`` starts a run in a pool of ``--jobs`` spawned workers and returns the function that
-    gives its record (with ``--jobs 1`` that function trains it, in this process), so records come in the order
-    asked for. Leaving the ``with`` block on an error cancels the runs not started and stops the workers. A sweep
-    point is a run of ``--sweep-tokens`` per seed of ``sweep_seeds``, evaluated every ``sweep_eval_tokens``."""
+    """A study's runs, ``--jobs`` at a time in spawned workers (1: in this process), records in the order asked for;
+    an error inside the ``with`` block cancels the runs not started and stops the workers."""
 
-    def __init__(self, args: argparse.Namespace, work: Path, sweep_seeds: list[int] | None = None,
-                 sweep_eval_tokens: int | None = None) -> None:  # fmt: skip
+    def __init__(self, args: argparse.Namespace, work: Path, sweep_seeds=None, sweep_eval_tokens=None) -> None:
         self.args, self.work, self.tokens_per_step = args, work, args.batch * args.seq
         self.sweep_seeds, self.sweep_eval_tokens = sweep_seeds or args.seeds[:1], sweep_eval_tokens
         self.runs: list[dict[str, Any]] = []  # every run's record, for results.json
-        self.pool = None
-        if args.jobs > 1:  # spawn: fresh interpreters, none of this process's torch state forked
-            self.pool = ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn"),
-                                            initializer=set_threads, initargs=(args.threads,))  # fmt: skip
+        spawn = multiprocessing.get_context("spawn")  # fresh interpreters, none of this process's torch state forked
+        self.pool = ProcessPoolExecutor(args.jobs, mp_context=spawn, initializer=set_threads,
+                                        initargs=(args.threads,)) if args.jobs > 1 else None
 
     def __exit__(self, exc_type: type[BaseException] | None, *_: Any) -> None:
-        if self.pool is not None and exc_type is None:
-            self.pool.shutdown()
-        elif self.pool is not None:
-            workers = list(self.pool._processes.values())  # as Python 3.14's terminate_workers() does
-            self.pool.shutdown(wait=False, cancel_futures=True)
-            for worker in workers:
-                worker.terminate()
+        if self.pool is None:
+            return
+        workers = list(self.pool._processes.values())  # as Python 3.14's terminate_workers() does
+        self.pool.shutdown(wait=exc_type is None, cancel_futures=exc_type is not None)
+        for worker in workers if exc_type is not None else ():
+            worker.terminate()
 
-    def submit(self, arm: Arm, lr: float | None, tokens: int, seed: int, tag: str,
-               eval_every_tokens: int | None = None) -> Run:  # fmt: skip
-        """A trainer run in ``work/tag`` (its log: log.txt there); ``lr=None``: the trainer's default; evaluations
-        every ``eval_every_tokens`` (None: at the start and the end). With ``--reuse`` a finished run of the same
-        trainer config there is read back instead."""
+    def submit(self, arm: Arm, lr: float | None, tokens: int, seed: int, tag: str, eval_every_tokens=None) -> Callable:
+        """A trainer run in ``work/tag`` (lr None: the trainer's default; evaluations every ``eval_every_tokens``, None:
+        at the start and the end); the function giving its record. ``--reuse`` reads a finished run back."""
         a = self.args
         steps = max(2, round(tokens / self.tokens_per_step))
         eval_every = steps if eval_every_tokens is None else max(1, round(eval_every_tokens / self.tokens_per_step))
@@ -93,7 +80,7 @@ class Study(contextlib.AbstractContextManager):
                 f"lr={'null' if lr is None else repr(float(lr))}", f"weight_decay={float(arm.weight_decay)!r}",
                 "grad_clip=1.0", f"seed={seed}", "parallel=none", f"eval_every={eval_every}",
                 f"eval_batches={a.eval_batches}", f"log_every={eval_every}", f"out_dir={out}", "save_model=false",
-                "checkpoint_every=0", "resume=never"]  # fmt: skip
+                "checkpoint_every=0", "resume=never"]
         out.mkdir(parents=True, exist_ok=True)
         reused = a.reuse and _finished_as(out, sets)
         future = self.pool.submit(execute, sets, out / "log.txt") if self.pool is not None and not reused else None
@@ -108,11 +95,10 @@ class Study(contextlib.AbstractContextManager):
                     raise
             s = json.loads((out / "summary.json").read_text())
             rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-            r = {"tag": tag, "arm": arm.key, "lr": lr, "seed": seed, "tokens": s["tokens"], "steps": steps,
+            r = {"tag": tag, "arm": arm.key, "lr": lr, "seed": seed, "steps": steps, "sets": sets,
+                 **{k: s[k] for k in ("tokens", "final_val_loss", "tok_per_s", "time_s", "n_params")},
                  "curve": [(m["tokens"], m["val_loss"]) for m in rows if "val_loss" in m],
-                 "final_val_loss": s["final_val_loss"], "tok_per_s": s["tok_per_s"],
-                 "optimizer_state": s["optimizer_state"] + s["master_weights"], "time_s": s["time_s"],
-                 "wall_s": s["time_s"] if wall is None else wall, "n_params": s["n_params"], "sets": sets}
+                 "optimizer_state": s["optimizer_state"] + s["master_weights"], "wall_s": wall or s["time_s"]}
             self.runs.append(r)
             print(f"  {tag:<40} lr {'default' if lr is None else f'{lr:g}':>7}  final val loss "
                   f"{r['final_val_loss']:.4f}  {r['tok_per_s']:,.0f} tok/s  {r['wall_s']:.0f} s", flush=True)
@@ -120,24 +106,25 @@ class Study(contextlib.AbstractContextManager):
 
         return record
 
-    def point(self, arm: Arm, lr: float, tag: str) -> list[Run]:
-        """A sweep point: a run per sweep seed (``tag/seed<s>`` where there are several)."""
+    def point(self, arm: Arm, lr: float, tag: str) -> list[Callable]:
+        """A sweep point: a ``--sweep-tokens`` run per sweep seed (``tag/seed<s>`` where there are several)."""
         seeds = self.sweep_seeds
         return [self.submit(arm, lr, self.args.sweep_tokens, s, f"{tag}/seed{s}" if len(seeds) > 1 else tag,
                             self.sweep_eval_tokens) for s in seeds]  # fmt: skip
 
-    def value(self, point: list[Run]) -> dict[str, Any]:
+    def value(self, point: list[Callable]) -> dict[str, Any]:
         """A sweep point's seed-mean final validation loss (a diverged run's: inf), min, max and mean curve."""
         runs = [run() for run in point]
         finals = [x if math.isfinite(x) else math.inf for x in (r["final_val_loss"] for r in runs)]
         return {"final": sum(finals) / len(finals), "min": min(finals), "max": max(finals), "curve": mean_curve(runs)}
 
-    def grid(self, arm: Arm, lrs: list[float]) -> dict[float, list[Run]]:
+    def grid(self, arm: Arm, lrs: list[float]) -> dict[float, list[Callable]]:
         return {lr: self.point(arm, lr, f"sweep/{arm.key}/lr{lr:g}") for lr in sorted(lrs)}
 
-    def sweep(self, arm: Arm, grid: dict[float, list[Run]]) -> dict[str, Any]:
-        """Final val loss per lr of a submitted :meth:`grid`, the best lr. A best lr on the grid's edge extends it one
-        1-2-5 step past that edge, at most ``--sweep-extend`` times (each extension waits for the results before)."""
+    def sweep(self, arm: Arm, grid: dict[float, list[Callable]]) -> dict[str, Any]:
+        """Final val loss per lr of a submitted :meth:`grid`, the best lr; a best lr on the edge extends the grid by a
+        1-2-5 step, at most ``--sweep-extend`` times (each extension waits for the results before)."""
+        print(f"lr sweep {arm.label}:", flush=True)
         points = {lr: self.value(p) for lr, p in grid.items()}
         for _ in range(self.args.sweep_extend):
             best = min(points, key=lambda lr: points[lr]["final"])
@@ -168,9 +155,8 @@ def execute(sets: list[str], log: Path) -> float:
 
 def _finished_as(out: Path, sets: list[str]) -> bool:
     """``out`` holds a finished run (summary.json) whose config.yaml is the one ``sets`` gives."""
-    if not (out / "summary.json").is_file() or not (out / "config.yaml").is_file():
-        return False
-    return yaml.safe_load((out / "config.yaml").read_text()) == dataclasses.asdict(load_config(None, sets))
+    done = (out / "summary.json").is_file() and (out / "config.yaml").is_file()
+    return done and yaml.safe_load((out / "config.yaml").read_text()) == dataclasses.asdict(load_config(None, sets))
 
 
 def step(lr: float, up: bool) -> float:
@@ -181,8 +167,7 @@ def step(lr: float, up: bool) -> float:
 
 
 def grid_of(args: argparse.Namespace, arm: Arm) -> list[float]:
-    """An arm's lr grid: ``--adamw-lrs``, ``--muon-lrs`` or ``--swan-lrs``; by default a SWAN preset's own lr and the
-    1-2-5 values either side (SWAN‡, SWAN†: 0.01, 0.02, 0.05; SWAN-0, whose lr is Adam's: 0.0005, 0.001, 0.002)."""
+    """An arm's lr grid: ``--<optimizer>-lrs``, by default a SWAN preset's own lr and the 1-2-5 values either side."""
     if getattr(args, f"{arm.optimizer}_lrs"):
         return sorted(getattr(args, f"{arm.optimizer}_lrs"))
     lr = float(load_preset(arm.preset)["optimizer"]["lr"])
@@ -190,14 +175,10 @@ def grid_of(args: argparse.Namespace, arm: Arm) -> list[float]:
 
 
 def tokens_to_reach(curve: list[tuple[int, float]], target: float) -> float | None:
-    """First token count at which the validation curve reaches ``target``, interpolated linearly between
-    evaluations; None if it never does."""
-    for i, (t, v) in enumerate(curve):
+    """The tokens at which the validation curve first reaches ``target`` (linear interpolation); None if never."""
+    for (t0, v0), (t, v) in zip(curve[:1] + curve[:-1], curve):  # each evaluation with the one before
         if v <= target:
-            if i == 0:
-                return float(t)
-            t0, v0 = curve[i - 1]
-            return t0 + (v0 - target) / (v0 - v) * (t - t0)
+            return float(t) if v0 <= target else t0 + (v0 - target) / (v0 - v) * (t - t0)
     return None
 
 
@@ -211,21 +192,18 @@ def cells(values: dict[float, float], best: float | None = None, unit: str = "")
 
 
 def curves(ax, series: list[tuple[str, list[list]]], target: float, unit: str = "millions") -> None:
-    """Validation loss against tokens (in ``unit``) on ``ax``: per label its curves' mean, their min-max band
-    shaded, ``target`` dashed; the y range from the evaluations after step 0 (whose ln-vocab loss would squash the
-    rest)."""
+    """Validation loss against tokens (``unit``) on ``ax``: per label its curves' mean and range, ``target`` dashed."""
     later, per = [], 1e6 if unit == "millions" else 1e3
     for label, runs in series:
         tokens = [t / per for t, _ in runs[0]]
         values = [[r[i][1] for r in runs] for i in range(len(tokens))]
         mean = [sum(v) / len(v) for v in values]
         (line,) = ax.plot(tokens, mean, marker=".", label=label)
-        if len(runs) > 1:
-            ax.fill_between(tokens, [min(v) for v in values], [max(v) for v in values], color=line.get_color(),
-                            alpha=0.2, linewidth=0)  # fmt: skip
+        ax.fill_between(tokens, [min(v) for v in values], [max(v) for v in values], color=line.get_color(),
+                        alpha=0.2, linewidth=0)  # the seeds' range
         later += [m for m in mean[1:] if math.isfinite(m)]
     ax.axhline(target, color="grey", linestyle="--", linewidth=1, label="AdamW's final loss")
-    if later:
+    if later:  # the y range from the evaluations after step 0 (whose ln-vocab loss would squash the rest)
         low = min(min(later), target)
         ax.set_ylim(low - 0.1, max(min(max(later), low + 2.0), low + 0.5, target + 0.1))
     ax.set(xlabel=f"training tokens ({unit})", ylabel="validation loss (nats/token)")
@@ -237,23 +215,14 @@ def listed(kind: type) -> Callable[[str], list]:
     return lambda text: [kind(x) for x in text.split(",") if x.strip()]
 
 
-def parser(doc: str) -> argparse.ArgumentParser:
-    """The flags both studies take."""
-    ap = argparse.ArgumentParser(description=doc)
+def parser(doc: str, **options) -> argparse.ArgumentParser:
+    """The flags both studies take (what each does: docs/convergence.md), and ``options`` as measure.parser's."""
+    ap = measure.parser(doc, sweep_tokens=500_000, eval_every_tokens=100_000, eval_batches=8, batch=16, seq=128,
+                        sweep_extend=2, jobs=1, threads=1, work_dir="", out="", **options)
     ap.add_argument("--model", default="tiny", choices=sorted(MODEL_SIZES), help="reference model size")
-    ap.add_argument("--sweep-tokens", type=int, default=500_000, help="training tokens per lr-sweep run")
-    ap.add_argument("--eval-every-tokens", type=int, default=100_000, help="validation loss every this many tokens")
-    ap.add_argument("--eval-batches", type=int, default=8, help="validation set: this many batches of fixed windows")
-    ap.add_argument("--batch", type=int, default=16, help="sequences per step")
-    ap.add_argument("--seq", type=int, default=128, help="tokens per sequence")
     ap.add_argument("--adamw-lrs", type=listed(float), default=[1e-3, 2e-3, 5e-3, 1e-2], help="AdamW lr grid")
     ap.add_argument("--swan-lrs", type=listed(float), help="SWAN's global lr grid (default: the preset's lr ± a step)")
-    ap.add_argument("--sweep-extend", type=int, default=2, help="grid extensions past an edge best, at most")
     ap.add_argument("--reuse", action="store_true", help="read back runs finished in --work-dir with the same config")
-    ap.add_argument("--jobs", type=int, default=1, help="runs at a time, each in its own process (1: in this one)")
-    ap.add_argument("--threads", type=int, default=1, help="torch threads per run (0: the trainer's choice)")
-    ap.add_argument("--work-dir", help="run folders and results.json")
-    ap.add_argument("--out", help="the Markdown page the section goes to, the PNG beside it")
     ap.add_argument("--quick", action="store_true", help="smoke: 2-layer tiny model, a few steps a run, temp files")
     return ap
 
@@ -261,28 +230,20 @@ def parser(doc: str) -> argparse.ArgumentParser:
 def parse(ap: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
     """The flags parsed, --quick's sizes set, the flags checked."""
     args = ap.parse_args(argv)
-    args.model_overrides = {}
+    args.model_overrides = {"n_layers": 2} if args.quick else {}
     if args.quick:
-        args.model_overrides = {"n_layers": 2}
-        args.batch, args.seq, args.eval_batches = 4, 32, 1
+        args.batch, args.seq, args.eval_batches, args.adamw_lrs, args.sweep_extend = 4, 32, 1, [2e-3, 5e-3], 0
         args.sweep_tokens = args.eval_every_tokens = 2 * args.batch * args.seq
-        args.adamw_lrs, args.sweep_extend = [2e-3, 5e-3], 0
-    if not args.seeds:
-        raise SystemExit("--seeds: at least one seed")
-    if args.jobs < 1:
-        raise SystemExit("--jobs: at least 1")
+    if not args.seeds or args.jobs < 1:
+        raise SystemExit("--jobs: at least 1" if args.seeds else "--seeds: at least one seed")
     return args
 
 
 def folders(args: argparse.Namespace, runs: str, page: str) -> tuple[Path, Path]:
-    """The threads set; the run folder (``--work-dir``, by default runs/<runs>) and the page measure writes to
-    (``--out``, by default docs/<page>), with ``--quick`` a temporary folder's."""
+    """The threads set; the run folder (``--work-dir``, runs/<runs>) and the page (``--out``, docs/<page>), or temp."""
     set_threads(args.threads)
     tmp = Path(tempfile.mkdtemp(prefix="swan_study_")) if args.quick and not (args.work_dir and args.out) else None
     work = Path(args.work_dir) if args.work_dir else (tmp / "runs" if tmp else REPO / "runs" / runs)
     measure.DOC = Path(args.out) if args.out else (tmp / page if tmp else REPO / "docs" / page)  # write_section's page
     return work, measure.DOC
 
-
-def command(script: str, argv: list[str]) -> str:
-    return f"python benchmarks/{script}" + ("" if not argv else " " + shlex.join(argv))

@@ -4,7 +4,6 @@
     python benchmarks/torchtitan.py --cuda          # one GPU, W=1: AdamW vs DistMuon vs SWAN (gpu_suite.sh)
 """
 
-import argparse
 import contextlib
 import datetime
 import importlib.metadata
@@ -138,19 +137,15 @@ def planning_rows(flavor: str, world: int) -> dict:
 
 def planning(args) -> str:
     plan = [planning_rows(f, w) for f in ("debugmodel", "8B") for w in (2, 8, 64)]
-    body = ("DistMuon's owner assignment (its greedy LPT balancer `_balance_loads_across_partitions` on its cost "
-            "model `_estimate_muon_compute_cost`, NS 5 steps) against swan_dist's `swan_plan`, one bucket each, for "
-            "torchtitan's llama3's whitened matrices, FSDP row shards over W ranks: slowest owner's cost / mean on "
-            "each cost model; the most a rank sends per step (fp32, both ways). Planning only: DistMuon needs CUDA."
-            "\n\n| model | W | matrices | DistMuon: imbalance (its cost) | (SWAN cost) | MiB sent | swan_dist: "
-            "imbalance (DistMuon cost) | (SWAN cost) | MiB sent |\n|---|" + "---:|" * 8 + "\n")
-    for p in plan:
-        body += f"| {p['model']} | {p['W']} | {p['matrices']} | " + " | ".join(
-            f"{p[k][0]:.3f} | {p[k][1]:.3f} | {p[k][2] / MiB:,.1f}" for k in ("muon", "swan")) + " |\n"
+    lines = ["| model | W | matrices | DistMuon: imbalance (its cost) | (SWAN cost) | MiB sent | swan_dist: imbalance "
+             "(DistMuon cost) | (SWAN cost) | MiB sent |", "|---|" + "---:|" * 8]
+    lines += [measure.row(p["model"], p["W"], p["matrices"], *(f"{p[k][0]:.3f} | {p[k][1]:.3f} | {p[k][2] / MiB:,.1f}"
+                                                             for k in ("muon", "swan"))) for p in plan]
     same = all(p["muon"] == p["swan"] for p in plan)
-    return body + ("\nThe two planners reach the same balance and bytes at every layout here (both assign whole "
-                   "matrices largest first)" if same else "\nThe planners differ where the rows differ") + (
-                   ". Where W exceeds the matrices (debugmodel at W=64: 30) most ranks own none.\n")
+    verdict = ("The two planners reach the same balance and bytes at every layout here (both assign whole matrices "
+               "largest first)" if same else "The planners differ where the rows differ")
+    return "\n".join(lines) + f"\n\n{verdict}. Where W exceeds the matrices (debugmodel at W=64: 30) most ranks own " \
+        "none.\n"
 
 
 def cpu(args) -> str:
@@ -161,34 +156,30 @@ def cpu(args) -> str:
         r = launch(2, config, args.steps, tmp, "--training.seq_len", "64", "--training.local_batch_size", "4",
                    "--training.global_batch_size", "8", "--lr_scheduler.warmup_steps", "2", probe=True)
         r["lr"], r["gib"] = config.split("_lr")[1], r["mib"]["peak"] / 1024
-        rows.append(f"| {opt} | {r['lr']} | {r['loss']:.3f} | {r['step_s']:.3f} | {r['tps']:,.0f} | {r['gib']:.2f} |")
+        rows.append(measure.row(opt, r["lr"], f"{r['loss']:.3f}", f"{r['step_s']:.3f}", f"{r['tps']:,.0f}",
+                                f"{r['gib']:.2f}"))
         best[opt] = min(best.get(opt, r), r, key=lambda x: x["loss"])
     a, s = best["torchtitan AdamW"], best["swan_dist SWAN‡"]
-    body = (f"torchtitan {importlib.metadata.version('torchtitan')}'s trainer at W=2 (FSDP2, gloo, float32), debug "
-            f"llama3 (6 layers, dim 256, vocab 2048), seq 64, global batch 8, {args.steps} steps, warmup 2, linear "
-            "decay, clipping 1.0, the harness's tiny data; each job in a launch of its own; rank 0: s/step the median "
-            "interval between step logs, tokens/s torchtitan's `tps`, memory the peak resident set (`VmHWM`)."
-            "\n\n| optimizer | lr | loss at the last step | s/step | tokens/s per rank | peak RSS per rank (GiB) |\n"
-            "|---|---:|---:|---:|---:|---:|\n" + "\n".join(rows) + f"\n\nAt each one's best lr: AdamW (lr {a['lr']}) "
-            f"{a['loss']:.3f}, SWAN‡ (lr {s['lr']}) {s['loss']:.3f}; SWAN's step {s['step_s'] / a['step_s']:.2f}x "
-            f"AdamW's, its peak RSS {s['gib'] / a['gib']:.2f}x (where a ratio is above 1, swan_dist is behind).\n\n"
-            "**Where the time goes** (these two jobs, ms, the mean over steps 3 to N-1): the iteration "
-            "(`train_step`), the optimizers' `step`, in SWAN's the whitening (`swan_compute`), the exchange (stacks "
-            "assembled, all_to_all and its waits, updates applied), the fallback rule (AdamW) and the rest.\n\n"
-            "| optimizer | iteration | optimizer step | step / iteration | whitening | exchange | fallback | "
-            "bookkeeping |\n|---|" + "---:|" * 7 + "\n")
-    mem = ("\n**Where the memory goes** (MiB): the resident set before step 1 and its peak; live tensors at the "
-           "last iteration's peak under torch's `MemTracker` by category; around that `step()`: live as it starts, "
-           "the transient over that, and SWAN's bound on it (`Exchange.transient_bound`).\n\n| optimizer | RSS "
-           "before step 1 | peak RSS | params | grads | opt. state | activations | temporaries | tracked peak | live "
-           "at step() | step transient | bound |\n|---|" + "---:|" * 11 + "\n")
+    lines = [f"torchtitan {importlib.metadata.version('torchtitan')}'s trainer, W=2 FSDP2, debug llama3, seq 64, "
+             f"global batch 8, {args.steps} steps.", "",
+             "| optimizer | lr | loss at the last step | s/step | tokens/s per rank | peak RSS per rank (GiB) |",
+             "|---|---:|---:|---:|---:|---:|", *rows, "",
+             f"At each one's best lr: AdamW (lr {a['lr']}) {a['loss']:.3f}, SWAN‡ (lr {s['lr']}) {s['loss']:.3f}; "
+             f"SWAN's step {s['step_s'] / a['step_s']:.2f}x AdamW's, its peak RSS {s['gib'] / a['gib']:.2f}x (where a "
+             "ratio is above 1, swan_dist is behind).", "",
+             "| optimizer | iteration | optimizer step | step / iteration | whitening | exchange | fallback | "
+             "bookkeeping |", "|---|" + "---:|" * 7]
+    mem = ["", "| optimizer | RSS before step 1 | peak RSS | params | grads | opt. state | activations | temporaries | "
+           "tracked peak | live at step() | step transient | bound |", "|---|" + "---:|" * 11]
     for name, r in (("torchtitan AdamW (fused)", a), ("swan_dist SWAN‡", s)):
         ms, m = r["ms"], r["mib"]
-        body += (f"| {name} | {ms['iteration']:.1f} | {ms['step']:.1f} | {ms['step'] / ms['iteration']:.2f} | "
-                 + " | ".join(f"{ms[k]:.1f}" if r is s else "-" for k in PARTS) + " |\n")
-        mem += (f"| {name} | {m['start']:.0f} | {m['peak']:.0f} | " + " | ".join(f"{m[k]:.1f}" for k in (
-            *TRACKED, "live_before_step", "transient")) + (f" | {m['bound']:.1f} |\n" if r is s else " | - |\n"))
-    return body + mem
+        lines.append(measure.row(name, *(f"{x:.1f}" for x in (ms["iteration"], ms["step"])),
+                                 f"{ms['step'] / ms['iteration']:.2f}",
+                                 *(f"{ms[k]:.1f}" if r is s else "-" for k in PARTS)))
+        mem.append(measure.row(name, f"{m['start']:.0f}", f"{m['peak']:.0f}",
+                               *(f"{m[k]:.1f}" for k in (*TRACKED, "live_before_step", "transient")),
+                               f"{m['bound']:.1f}" if r is s else "-"))
+    return "\n".join(lines + mem) + "\n"
 
 
 def cuda(args) -> str | None:
@@ -202,12 +193,11 @@ def cuda(args) -> str | None:
     for name in ("adamw", "distmuon", "swan"):
         try:
             r = launch(1, f"cuda_{name}", args.steps, tmp)
-            rows.append(f"| {name} | {r['step_s']:.4f} | {r['tps']:,.0f} | {r['mem']:.2f} |")
+            rows.append(measure.row(name, f"{r['step_s']:.4f}", f"{r['tps']:,.0f}", f"{r['mem']:.2f}"))
         except (SystemExit, subprocess.TimeoutExpired) as e:
             rows.append(f"| {name} | failed: {e} | | |")
-    return ("torchtitan's trainer at W=1 on the GPU, llama3 debugmodel (seq 512, batch 8), bf16 autocast off at W=1 "
-            "(FSDP not applied), each optimizer by its one config entry; s/step: median interval between step logs; "
-            "memory: torchtitan's max active (`torch.cuda` peak).\n\n"
+    return ("torchtitan's trainer at W=1 on the GPU, llama3 debugmodel (seq 512, batch 8), each optimizer by its one "
+            "config entry; s/step: the median interval between step logs; peak GiB: torchtitan's max active.\n\n"
             "| optimizer | s/step | tokens/s | peak GiB |\n|---|---:|---:|---:|\n" + "\n".join(rows) + "\n")
 
 
@@ -220,18 +210,15 @@ SECTIONS = {"planning": ("torchtitan-planning", "torchtitan: DistMuon's owner pl
 def main() -> None:
     if os.environ.pop("SWAN_TT_PROBE", "") == "True":
         return probed(sys.argv[1:])
-    ap = argparse.ArgumentParser(description=__doc__.split(":")[0])
+    ap = measure.parser(__doc__, steps=20)
     ap.add_argument("--cuda", action="store_true")
-    ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--planning-only", action="store_true", help="only DistMuon's planning vs swan_dist's (no launch)")
-    ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
     __import__("torchtitan_harness").cpu_device()  # without CUDA, torchtitan's device (picked at import) is the CPU
     key, title, make = SECTIONS["planning" if args.planning_only else "cuda" if args.cuda else "cpu"]
     body = make(args)
-    if body and not args.no_write:
-        measure.write_section(key, title, body)
-    print(body or "")
+    if body:
+        measure.publish(key, title, body, write=not args.no_write)
 
 
 if __name__ == "__main__":
