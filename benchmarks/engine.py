@@ -1,6 +1,5 @@
-"""How fast is the owner-rank engine's step, how many bytes does it send, how well does its planner balance?
-Step time and bytes at W ranks (FSDP2 and DDP: owner, one-phase owner, replicated, AdamW), the planner at LLaMA
-shapes up to W=512 (planning only); ``--against COMMIT``: the step table on COMMIT's swan_dist too, as ratios.
+"""How fast is the owner engine's step at W ranks (FSDP2, DDP), how many bytes does it send, how well does its planner
+balance (LLaMA shapes up to W=512, planning only)? ``--against COMMIT``: the step table on COMMIT's too, as ratios.
 
     python benchmarks/engine.py --planner-only
     python benchmarks/engine.py --step-only --steps 15
@@ -22,7 +21,7 @@ from swan_dist.functional import WhitenConfig
 from swan_dist.plan import row_shard_ranges
 from swan_dist.whitening import swan_exchange, swan_plan
 
-from measure import against, against_table, parser, spawn, turns, write_section  # noqa: E402 (benchmarks/ is the script's folder)
+from measure import against, against_table, parser, publish, spawn, turns  # noqa: E402 (the script's folder)
 from scale import llama  # noqa: E402
 
 # (dim, ffn, layers) of the GaLore/SWAN LLaMA configurations.
@@ -32,13 +31,11 @@ PRESETS = {"SWAN‡ (NSDS)": WhitenConfig(), "SWAN† (NS 10)": WhitenConfig(met
 NAMES = {"adamw": None, "owner": ("owner", "swan_ddagger", False), "owner-1p": ("owner", "swan_ddagger", True),
          "replicated": ("replicated", "swan_ddagger", False), "owner-ns": ("owner", "swan_dagger", False),
          "replicated-ns": ("replicated", "swan_dagger", False)}
-TARGET = 1.85  # replicated / owner at W=2 (2x is the ideal)
 
 
 def best_split(costs: list[float], world: int) -> float | None:
-    """The smallest possible slowest-owner total over all owner assignments (one bucket, no byte bound):
-    no plan goes below it, since Σ over buckets of the slowest owner >= the slowest owner's total.
-    Exact for at most two distinct costs (LLaMA: attention and MLP matrices); ``None`` otherwise."""
+    """The smallest slowest-owner total over all owner assignments (one bucket, no byte bound), below which no
+    plan goes; exact for at most two distinct costs (LLaMA: attention and MLP matrices), ``None`` otherwise."""
     if len(costs) <= world:
         return max(costs)
     values = sorted(set(costs), reverse=True)
@@ -67,15 +64,9 @@ def best_split(costs: list[float], world: int) -> float | None:
 
 def planner_table(bucket_mb: float = 256) -> str:
     """Per model, whitening and W: the plan's Σ over buckets of the slowest owner's cost against three
-    lower bounds. Computed from the planner alone, no processes."""
+    lower bounds (the planner alone, no processes)."""
     gf = lambda x: f"{x / 1e9:,.0f}" if x >= 1e11 else f"{x / 1e9:,.1f}"  # noqa: E731
     lines = [
-        f"Σ over buckets of the slowest owner's whitening cost (GFLOP, `whiten_flops`) for FSDP2 row-sharded ranges, "
-        f"bucket_mb={bucket_mb:g} per owner, against lower bounds: **per bucket** Σ_b max(cost(b)/W, largest matrix "
-        "of b) for the buckets as cut (target: planned within 1.05x); **whole model** max(total/W, largest matrix), "
-        "unbucketed; **best split**: the smallest slowest-owner total any owner assignment reaches (exact, one "
-        "bucket, no byte bound), below which no plan can go.",
-        "",
         "| model | whitening | W | buckets | planned | per bucket | planned/bound | whole model | planned/bound "
         "| best split | planned/best |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
@@ -90,9 +81,6 @@ def planner_table(bucket_mb: float = 256) -> str:
                 lines.append(f"| LLaMA {name} | {label} | {world} | {len(plan.buckets)} | {gf(cost)} | "
                              f"{gf(per_bucket)} | {cost / per_bucket:.3f} | {gf(whole)} | {cost / whole:.3f} | "
                              f"{best_cells} |")
-    lines += ["", "planned/best = 1.000: no assignment of whole matrices to owners does better, whatever the buckets. "
-              "At W=512 there are fewer matrices than ranks: each matrix gets an owner of its own in one bucket "
-              "(1.000 by construction; most ranks idle)."]
     return "\n".join(lines)
 
 
@@ -181,12 +169,7 @@ def step_table(results: list[list], world: int, size: str, steps: int) -> str:
               else f"CPU, {world} processes of {_threads(world)} thread(s)")
     lines = [
         f"Reference model `{size}`, W={world}, {device}, torch {torch.__version__}; optimizer.step() only, median over "
-        f"{steps} steps on fixed gradients of the slowest rank's time per step, the six optimizers of a layout "
-        "interleaved. adamw: torch's AdamW, fused (DDP) or foreach (FSDP2's DTensors). owner/replicated: SWAN‡ "
-        "(NSDS); -ns: SWAN† (NS, 10 steps); owner-1p: owner SWAN‡ with each bucket exchanged in one phase. "
-        f"**replicated / owner**: owner mode's speed-up (ideal {world}x; target at W=2: {TARGET}x). **whitening**: "
-        "the slowest rank's time in `swan_update`; **rest**: its step − whitening. **Amdahl**: replicated / owner if "
-        f"owner mode only split the whitening {world} ways: the most it can gain without also splitting the rest.",
+        f"{steps} steps on fixed gradients of the slowest rank's time per step.",
         "",
         "| layout | optimizer | step (ms) | vs AdamW | replicated / owner | whitening (ms) | rest (ms) | Amdahl "
         "| bytes sent / step (all ranks) | minimum | sent / minimum |",
@@ -209,8 +192,6 @@ def step_table(results: list[list], world: int, size: str, steps: int) -> str:
                          f"{f'**{rep[2] / t:.2f}x**' if owner else '-'} | {split} | {amdahl} | "
                          f"{sent / 2**20:.1f} MiB | {least / 2**20:.1f} MiB | "
                          f"{f'{sent / least:.2f}' if least else '-'} |")
-    lines += ["", "Minimum, x bytes(matrices): owner mode on shards 2·(W−1)/W (gather to the owner, scatter back), on "
-              "DDP gradients W−1 (every rank needs every update); replicated mode on shards W−1, on DDP nothing."]
     return "\n".join(lines)
 
 
@@ -230,19 +211,14 @@ def compare(args, kind: str) -> None:
                   f"({spread([q for (g, _), (_, q) in swan.items() if g == layout])} each vs its adamw; "
                   f"adamw {ratios[(layout, 'adamw')][0]:.2f}x)" for layout in dict.fromkeys(g for g, _ in ratios)]
     worst = max(swan, key=lambda key: swan[key][1])
-    intro = (f"This script's step table (reference model `{args.size}`, W={args.world}, the section above: median "
-             f"over {args.steps} steps of the slowest rank's step) run {args.rounds} times on this commit's swan_dist "
-             f"and {args.rounds} times on commit {args.against}'s, in turn; per row the best of the rounds' medians. "
-             "A ratio under 1 is this commit faster.")
-    if measured:
-        intro += " Whitening: the slowest rank's time in the whitening itself, in the round kept."
+    intro = (f"The step table above (reference model `{args.size}`, W={args.world}, {args.steps} steps) run "
+             f"{args.rounds} times on this commit's swan_dist and on {args.against}'s, in turn; per row the best of "
+             "the rounds' medians. A ratio under 1 is this commit faster."
+             + (" Whitening: as in the section above, in the round kept." if measured else ""))
     summary = (f"The SWAN rows' step time against {args.against}: {'; '.join(per_layout)}. The highest ratio each "
                f"vs its adamw: {worst[0]} {worst[1]}, {swan[worst][1]:.2f}x.")
-    text = "\n".join([intro, "", *lines, "", summary])
-    print(text)
-    if not args.no_write:
-        write_section(f"engine-step-{kind}-against", f"Owner engine ({kind.upper() if kind == 'cpu' else 'GPU'}): "
-                      f"this commit against {args.against}", text)
+    publish(f"engine-step-{kind}-against", f"Owner engine ({kind.upper() if kind == 'cpu' else 'GPU'}): this commit "
+            f"against {args.against}", "\n".join([intro, "", *lines, "", summary]), write=not args.no_write)
 
 
 def main() -> None:
@@ -258,21 +234,16 @@ def main() -> None:
             ap.error("--against compares the step table; it does not go with --planner-only")
         return compare(args, kind)
     if not args.step_only:
-        plan_text = planner_table()
-        print(plan_text)
-        if not args.no_write:
-            write_section("engine-planner", "Owner engine: planner balance (planning only, no device)", plan_text)
+        publish("engine-planner", "Owner engine: planner balance (planning only, no device)", planner_table(),
+                write=not args.no_write)
     if args.planner_only:
         return
     results = spawn(_rank, args.world, args.size, args.steps)[0]
     if args.json:
         Path(args.json).write_text(json.dumps([dict(layout=r[0], name=r[1], t=r[2], whiten=None if r[1] == "adamw"
                                                     else r[5]) for r in results]))
-    step_text = step_table(results, args.world, args.size, args.steps)
-    print(step_text)
-    if not args.no_write:
-        write_section(f"engine-step-{kind}", f"Owner engine ({kind.upper() if kind == 'cpu' else 'GPU'}): step time "
-                      f"and bytes at W={args.world}", step_text)
+    publish(f"engine-step-{kind}", f"Owner engine ({kind.upper() if kind == 'cpu' else 'GPU'}): step time and bytes "
+            f"at W={args.world}", step_table(results, args.world, args.size, args.steps), write=not args.no_write)
 
 
 if __name__ == "__main__":

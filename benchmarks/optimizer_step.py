@@ -1,6 +1,5 @@
 """How long does one optimizer step take, and how much state does it hold? SWAN presets against torch AdamW on
 the reference LLaMA model, one process, the same fixed gradients; also the device's fp32 vs bf16 matmul rate.
-Writes `optimizer-step-<device>`; the other step benchmarks build their model here (:func:`reference`).
 
     python benchmarks/optimizer_step.py --size small --steps 5
 """
@@ -8,7 +7,6 @@ Writes `optimizer-step-<device>`; the other step benchmarks build their model he
 from __future__ import annotations
 
 import platform
-import time
 
 import torch
 
@@ -17,7 +15,7 @@ from swan_dist.functional import cpu_has_native_bf16
 from swan_dist.reference.baselines import adamw_kernel
 from swan_dist.reference.model import Llama, model_config
 
-from measure import median_time, parser, write_section  # noqa: E402 (benchmarks/ is the script's folder)
+from measure import median_time, parser, publish  # noqa: E402 (benchmarks/ is the script's folder)
 
 NAMES = ("adamw", "adamw-default", "swan_ddagger", "swan_dagger", "swan_ddagger+sign")
 
@@ -42,14 +40,9 @@ def sync_of(device: torch.device):
     return torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
 
-def _matmul_gflops(dtype: torch.dtype, device: torch.device, n: int = 1024, reps: int = 3) -> float:
+def _matmul_gflops(dtype: torch.dtype, device: torch.device, n: int = 1024) -> float:
     a, b = (torch.randn(n, n, device=device).to(dtype) for _ in range(2))
-    a @ b
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        a @ b
-    sync_of(device)()
-    return 2 * n**3 * reps / (time.perf_counter() - t0) / 1e9
+    return 2 * n**3 / median_time(lambda: a @ b, 3, warmup=1, sync=sync_of(device))[0] / 1e9
 
 
 def _build(name: str, model: torch.nn.Module) -> torch.optim.Optimizer:
@@ -67,17 +60,15 @@ def main() -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = reference(args.size, device)
     grads = [p.grad for p in model.parameters()]
-    n_params = sum(p.numel() for p in model.parameters())
-    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    n_params, param_bytes = sum(g.numel() for g in grads), sum(g.numel() * g.element_size() for g in grads)
     rows = []
     for name in NAMES:
         for p, g in zip(model.parameters(), grads):
             p.grad = g.clone()
         opt = _build(name, model)
         t, _ = median_time(opt.step, args.steps, warmup=1, sync=sync_of(device))  # (the warm-up allocates state)
-        state = sum(x.numel() * x.element_size() for st in opt.state.values() for x in st.values()
-                    if isinstance(x, torch.Tensor))
-        rows.append((name, t, state))
+        rows.append((name, t, sum(x.numel() * x.element_size() for st in opt.state.values() for x in st.values()
+                                  if isinstance(x, torch.Tensor))))
         del opt
     gf32, gbf16 = (_matmul_gflops(dtype, device) for dtype in (torch.float32, torch.bfloat16))
     lines = [
@@ -89,20 +80,13 @@ def main() -> None:
         *(f"| {name} | {t * 1e3:.1f} | {t / rows[0][1]:.2f}x | {sb / 2**20:.1f} | {sb / param_bytes:.2f} |"
           for name, t, sb in rows),
         "",
-        "`adamw`: torch's AdamW with its fastest kernel for these tensors (fused); `adamw-default`: "
-        "`AdamW(params)` as torch picks it (on the CPU a loop over tensors, on CUDA foreach). "
-        "`swan_ddagger+sign` uses the stateless `sign` fallback: zero optimizer state for the whole model.",
-        "",
-        f"Matmul 1024x1024 on this device: fp32 {gf32:.1f} GFLOP/s, bf16 {gbf16:.1f} GFLOP/s "
-        f"(bf16/fp32 = {gbf16 / gf32:.2f}). whiten_dtype='auto' runs NSDS in bf16 on CUDA and on CPUs with "
-        f"native bf16 (this one: {'yes' if cpu_has_native_bf16() else 'no'}; a bf16 update stays within 2 % of "
-        "the fp32 one, tests/test_functional.py), fp32 otherwise and for NS.",
+        f"Matmul 1024x1024 on this device: fp32 {gf32:.1f} GFLOP/s, bf16 {gbf16:.1f} GFLOP/s (bf16/fp32 = "
+        f"{gbf16 / gf32:.2f}). whiten_dtype='auto' whitens NSDS in bf16 on CUDA and on CPUs with native bf16 (this "
+        f"one: {'yes' if cpu_has_native_bf16() else 'no'}), fp32 otherwise and for NS.",
     ]
-    text = "\n".join(lines)
-    print(text)
-    if not args.no_write:
-        kind = "GPU" if device.type == "cuda" else "CPU"
-        write_section(f"optimizer-step-{device.type}", f"Optimizer step, single process ({kind})", text)
+    kind = "GPU" if device.type == "cuda" else "CPU"
+    publish(f"optimizer-step-{device.type}", f"Optimizer step, single process ({kind})", "\n".join(lines),
+            write=not args.no_write)
 
 
 if __name__ == "__main__":
