@@ -12,7 +12,7 @@ import statistics
 import torch
 import torch.distributed as dist
 
-from measure import median_time, parser, spawn, write_section  # (benchmarks/ is the script's folder)
+from measure import median_time, parser, publish, spawn  # (benchmarks/ is the script's folder)
 
 WARMUP = 2
 
@@ -55,15 +55,11 @@ def main() -> None:
     a = parser(__doc__, world=2, size="small", steps=6, seq=128, batch=4).parse_args()
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"CPU ({os.cpu_count()} cores, gloo)"
     mb = lambda b: f"{b / 2**20:.1f}"  # noqa: E731
-    lines = [
-        f"Reference LLaMA `{a.size}`, W = {a.world} on {device}, {a.batch}x{a.seq} tokens per rank and "
-        f"step, median of {a.steps} steps after {WARMUP} warm-up. Per rank: `engine.step()` time, whole iteration "
-        "(forward + backward + step), optimizer state, DeepSpeed's fp32 master partitions. SWAN‡ keeps AdamW "
-        "state for embeddings, head and norms only (the fallback rule); every SWAN matrix keeps none.",
-        "",
-        "| ZeRO | optimizer | step ms | iteration ms | state MiB | masters MiB | step SWAN/AdamW | state SWAN/AdamW |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|",
-    ]
+    lines = [f"Reference LLaMA `{a.size}`, W = {a.world} on {device}, {a.batch}x{a.seq} tokens per rank and step, "
+             f"median of {a.steps} steps after {WARMUP} warm-up.", "",
+             "| ZeRO | optimizer | step ms | iteration ms | state MiB | masters MiB | step SWAN/AdamW "
+             "| state SWAN/AdamW |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|"]
     for stage in (1, 2, 3):
         rows = {opt: spawn(_worker, a.world, a, stage, opt)[0] for opt in ("SWAN", "AdamW")}
         s, adam = rows["SWAN"], rows["AdamW"]
@@ -75,11 +71,9 @@ def main() -> None:
             print(lines[-1], flush=True)
     lines += ["", f"{rows['SWAN']['n'] / 1e6:.1f}M parameters; AdamW state is 8 bytes per parameter held, split over "
               "the ranks."]
-    body = "\n".join(lines)
-    print(body)
-    if not a.no_write:
-        where = "GPU" if torch.cuda.is_available() else "CPU"
-        write_section("deepspeed_zero", f"DeepSpeed ZeRO ({where}): SWAN vs DeepSpeed AdamW (W={a.world})", body)
+    where = "GPU" if torch.cuda.is_available() else "CPU"
+    publish("deepspeed_zero", f"DeepSpeed ZeRO ({where}): SWAN vs DeepSpeed AdamW (W={a.world})", "\n".join(lines),
+            write=not a.no_write)
 
 
 if __name__ == "__main__":

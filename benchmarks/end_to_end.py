@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from measure import parser, write_section  # (benchmarks/ is the script's folder)
+from measure import parser, publish  # (benchmarks/ is the script's folder)
 
 REPO = Path(__file__).resolve().parent.parent
 LAYOUTS, OPTIMIZERS = ("fsdp2", "deepspeed"), ("adamw", "swan")
@@ -58,17 +58,12 @@ def main() -> None:
                     print(f"{layout} {opt} round {r}: {res['tok_per_s']:,.0f} tok/s, optimizer "
                           f"{100 * res['optimizer_share']:.0f} %", flush=True)
     where = "CUDA" if torch.cuda.is_available() else "CPU"
-    lines = [
-        f"Reference model `{a.size}`, W={a.world} under torchrun, {where}"
-        f"{'' if where == 'CUDA' else f' ({os.cpu_count()} cores)'}, torch {torch.__version__}; "
-        f"{a.batch}x{a.seq} tokens per rank and step, fp32; per run {a.warmup} warm-up + {a.steps} timed "
-        f"steps, {a.rounds} runs per optimizer alternating (median shown), each under the trainer's lr schedule "
-        "(linear warm-up, then cosine decay: a new lr every step). FSDP2: torch AdamW (foreach) vs SWAN‡ "
-        "owner mode; DeepSpeed ZeRO-2: DeepSpeed's AdamW vs `\"type\": \"SWAN\"`. Optimizer share: time in "
-        "`optimizer.step()` (DeepSpeed: `engine.step()`, which also finishes the gradient reduction) over the "
-        "training time.", "",
-        "| layout | optimizer | tokens/s | SWAN / AdamW (target ≥ 0.90x) | optimizer share | final train loss |",
-        "|---|---|---:|---:|---:|---:|"]
+    lines = [f"Reference model `{a.size}`, W={a.world} under torchrun, {where}"
+             f"{'' if where == 'CUDA' else f' ({os.cpu_count()} cores)'}, torch {torch.__version__}; {a.batch}x{a.seq} "
+             f"tokens per rank and step, {a.warmup} warm-up + {a.steps} timed steps, {a.rounds} runs per optimizer.",
+             "",
+             "| layout | optimizer | tokens/s | SWAN / AdamW (target ≥ 0.90x) | optimizer share | final train loss |",
+             "|---|---|---:|---:|---:|---:|"]
     for layout in LAYOUTS:
         base = statistics.median(r["tok_per_s"] for r in results[(layout, "adamw")])
         for opt in OPTIMIZERS:
@@ -77,11 +72,8 @@ def main() -> None:
             ratio = f"**{tps / base:.2f}x**" if opt == "swan" else "1.00x"
             lines.append(f"| {layout} | {'SWAN‡' if opt == 'swan' else 'AdamW'} | {tps:,.0f} | {ratio} | "
                          f"{100 * share:.0f} % | {rs[-1]['final_train_loss']:.3f} |")
-    body = "\n".join(lines)
-    print(body)
-    if not a.no_write:
-        write_section(f"end-to-end-{where.lower()}", f"End to end ({where}): trainer tokens/s, SWAN‡ vs AdamW "
-                      f"(W={a.world})", body)
+    publish(f"end-to-end-{where.lower()}", f"End to end ({where}): trainer tokens/s, SWAN‡ vs AdamW (W={a.world})",
+            "\n".join(lines), write=not a.no_write)
 
 
 if __name__ == "__main__":
