@@ -1,7 +1,6 @@
 """What would SWAN's step cost on GPU clusters? A step-time model of owner mode, replicated mode and AdamW from the
-owner engine's own plans and bytes (simulated as ``benchmarks/scale.py`` does) and named public hardware figures
-(``INPUTS``); the whitening rate is calibrated on the paper's SWAN‡ w/o MP point (1.3B LLaMA, 8x A100) and the
-paper's other 8-GPU points are predicted from it. Only the optimizer step differs between optimizers.
+owner engine's own plans and bytes (simulated as ``scale.py`` does) and public hardware figures (``INPUTS``); the
+whitening rate is calibrated on the paper's SWAN‡ w/o MP point (1.3B LLaMA, 8x A100), its other points predicted.
 
     python benchmarks/gpu_model.py           # W = 8, 64, 256, 1024 (a minute or two)
 """
@@ -17,7 +16,7 @@ from swan_dist.functional import WhitenConfig
 from swan_dist.plan import MatrixSpec
 from swan_dist.whitening import exchange_dtype_of, swan_cost, swan_plan
 
-from measure import parser, traced, write_section  # noqa: E402 (benchmarks/ is the script's folder)
+from measure import parser, publish, traced  # noqa: E402 (benchmarks/ is the script's folder)
 from scale import Layout, MODELS, llama, measure  # noqa: E402
 
 NS10 = WhitenConfig(method="ns", steps=10, beta=0.8)  # SWAN†'s whitening
@@ -91,9 +90,8 @@ def paper_check() -> SimpleNamespace:
 
 def cluster_step(model: str, specs: list[MatrixSpec], params: float, vocab_dim: int, world: int, rate: float,
                  tokens_per_gpu: float, sent: torch.dtype, recompute: bool = False) -> SimpleNamespace:
-    """One H100 cluster point: FSDP row shards over all W GPUs (the caller's fake process group of W),
-    ``tokens_per_gpu`` a step, ``rate`` the whitening FLOP/s, the exchange sending ``sent`` (the bytes the
-    simulated step counts); ``recompute``: activation checkpointing runs each forward twice."""
+    """One H100 cluster point: FSDP row shards over the caller's fake process group of W, ``rate`` the whitening
+    FLOP/s, the exchange sending ``sent``; ``recompute``: activation checkpointing runs each forward twice."""
     hbm = V["H100 HBM"]
     row = measure(model, specs, world, Layout("FSDP", world, world), dist.group.WORLD, 256 << 20, sent, torch.float32)
     nvlink = V["H100 NVLink, one direction"] * V["link efficiency"]
@@ -118,9 +116,8 @@ def cluster_step(model: str, specs: list[MatrixSpec], params: float, vocab_dim: 
 
 
 def cluster_rows(rate_fraction: float, worlds: tuple[int, ...], exchange: str = "auto") -> list[SimpleNamespace]:
-    """FSDP row shards over all W GPUs (H100), NSDS, bucket_mb=256, a 4M-token global batch; FSDP2 mixed
-    precision (fp32 shards and gradients), the exchange sending what ``SWAN(exchange_dtype=exchange)``
-    sends there (``auto``: bf16, SWAN‡ whitening in bf16 on GPUs)."""
+    """FSDP2 mixed precision (fp32 shards) over W H100s, NSDS, bucket_mb=256, a 4M-token global batch, the exchange
+    sending what ``SWAN(exchange_dtype=exchange)`` sends there (``auto``: bf16)."""
     rate = rate_fraction * V["H100 bf16 peak"]
     sent = exchange_dtype_of(exchange, WhitenConfig(), torch.float32, CUDA)
     out = []
@@ -137,29 +134,20 @@ def ms(x: float) -> str:
 
 
 def main() -> None:
-    args = parser(__doc__, worlds="8,64,256,1024").parse_args()
+    args = parser(__doc__).parse_args()
     torch.set_num_threads(1)
     paper = paper_check()
     fraction = paper.rate / V["A100 bf16 peak"]
-    rows = cluster_rows(fraction, tuple(int(w) for w in args.worlds.split(",")))
+    rows = cluster_rows(fraction, (8, 64, 256, 1024))
     lines = ["**Inputs.**", "", "| input | value | source |", "|---|---:|---|"]
     lines += [f"| {k} | {v:,.4g} | {src} |" for k, (v, src) in INPUTS.items()]
     lines += ["", f"**Calibrated**: the whitening runs at {paper.rate / 1e12:.0f} TFLOP/s on an A100 "
-              f"({fraction:.0%} of its bf16 peak), from the paper's SWAN‡ w/o MP point (its step minus Adam's: the "
-              "whole model's NSDS whitening on one GPU plus the AdamW fallback on embeddings and head, minus Adam's "
-              f"step); the H100 takes the same fraction ({fraction * V['H100 bf16 peak'] / 1e12:.0f} TFLOP/s).", "",
-              "**Check against the paper** (1.3B LLaMA, 8x A100, DDP, batch 131,072 tokens; raw tokens/s over "
-              "Adam's). *w/ MP* is swan_dist's owner mode: the plan's slowest owner whitens, each owner sends its "
-              "updates to the 7 others over NVLink in bf16 (`exchange_dtype=\"auto\"` on bf16 parameters).", "",
+              f"({fraction:.0%} of its bf16 peak), from the paper's SWAN‡ w/o MP point; the H100 takes the same "
+              f"fraction ({fraction * V['H100 bf16 peak'] / 1e12:.0f} TFLOP/s).", "",
+              "**Check against the paper** (raw tokens/s over Adam's):", "",
               "| point | predicted | paper | predicted / paper |", "|---|---:|---:|---:|"]
     lines += [f"| {p} | {pred:.3f} | {meas:.3f} | {pred / meas:.3f} |" for p, pred, meas in paper.rows]
-    lines += ["", "**Predicted, H100 clusters** (FSDP2 over all W GPUs, fp32 shards and gradients under "
-              "`MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`; SWAN‡ whitened in bf16, bucket_mb=256, "
-              "4M-token global batch). *compute*: forward and backward at the MFU above, the same for every "
-              "optimizer; *owner*: the fallback AdamW on embeddings and head, the plan's critical path (*whitening*) "
-              "and rank 0's exchange bytes (bf16, `exchange_dtype=\"auto\"`) and latency from the simulated step "
-              "(*exchange*); *fp32 exchange*: with fp32 pieces (`exchange_dtype=\"param\"`); *replicated*: every "
-              "GPU whitens every matrix after gathering it. Ratios: tokens/s against AdamW's.", "",
+    lines += ["", "**Predicted, H100 clusters** (tokens/s against AdamW's):", "",
               "| model | W | compute | AdamW step | owner step (whitening + exchange) | fp32 exchange | "
               "replicated step | owner vs AdamW | replicated vs AdamW |",
               "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
@@ -172,17 +160,13 @@ def main() -> None:
     sw = next(p for p in paper.rows if p[0] == "SWAN‡ w/ MP")
     st = next(p for p in paper.rows if p[0] == "SWAN† w/ MP")
     lines += ["", f"**Reading it.** The paper's SWAN‡ w/ MP point is predicted at {sw[1]:.3f} against its "
-              f"measured {sw[2]:.3f}; SWAN† w/ MP at {st[1]:.3f} against {st[2]:.3f} (the paper's NS w/ MP step is "
-              "shorter than an eighth of its w/o MP whitening, which a model without overlap cannot reproduce). "
-              f"Under FSDP on H100s, owner mode stays within "
+              f"measured {sw[2]:.3f}; SWAN† w/ MP at {st[1]:.3f} against {st[2]:.3f} (a model without overlap cannot "
+              "reach the paper's NS w/ MP step). Under FSDP on H100s, owner mode stays within "
               f"{1 - (worst.compute + worst.adamw) / (worst.compute + worst.owner):.1%} of AdamW's tokens/s up to "
               f"W = {max(r.world for r in rows):,} (worst: {worst.model} at W = {worst.world:,}); past W ≈ the number "
-              "of matrices the critical path is the largest matrix and stops shrinking. Every figure here is "
-              "predicted, not measured on a GPU cluster."]
-    text = "\n".join(lines)
-    print(text)
-    if not args.no_write:
-        write_section("gpu-model", "Step-time model for GPU clusters (predicted from CPU-simulated plans)", text)
+              "of matrices the critical path stops shrinking. Predicted, not measured on a GPU cluster."]
+    publish("gpu-model", "Step-time model for GPU clusters (predicted from CPU-simulated plans)", "\n".join(lines),
+            write=not args.no_write)
 
 
 if __name__ == "__main__":
