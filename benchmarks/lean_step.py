@@ -1,6 +1,5 @@
-"""What does SWAN's bookkeeping cost per tensor? Its step on 435 tensors too small for the math to matter (48
-layers of 7 ``Linear(64, 64)`` and 2 RMSNorms, embedding, norm, head) with ``whitening="none"``, against torch
-AdamW (foreach) under an lr schedule: step time, host syncs, and at W=2 the collectives of a step.
+"""What does SWAN's bookkeeping cost per tensor? Its step with ``whitening="none"`` on 435 tensors too small for
+the math to matter, against torch AdamW (foreach) under an lr schedule: step time, host syncs, at W=2 collectives.
 
     python benchmarks/lean_step.py --steps 50
     python benchmarks/lean_step.py --world 0 --no-write   # one process only
@@ -9,11 +8,13 @@ AdamW (foreach) under an lr schedule: step time, host syncs, and at W=2 the coll
 
 from __future__ import annotations
 
+import contextlib
 import json
 import statistics
 import warnings
 from collections import Counter
 from pathlib import Path
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -21,7 +22,7 @@ from torch import nn
 
 from swan_dist.host_reads import HostReads
 
-from measure import against, against_table, parser, spawn, turns, write_section  # noqa: E402 (benchmarks/: the script's folder)
+from measure import against, against_table, parser, publish, spawn, turns  # noqa: E402 (the script's folder)
 from optimizer_step import device_name, sync_of  # noqa: E402
 
 LAYERS, DIM = 48, 64
@@ -42,12 +43,8 @@ class Block(nn.Module):
 
 def build(layers: int, d: int, device: torch.device, vocab: int = 256) -> tuple[nn.Module, list[torch.Tensor]]:
     torch.manual_seed(0)
-    model = nn.Module()
-    model.embed = nn.Embedding(vocab, d)
-    model.layers = nn.ModuleList(Block(d) for _ in range(layers))
-    model.norm = nn.RMSNorm(d)
-    model.head = nn.Linear(d, vocab, bias=False)
-    model.to(device)
+    model = nn.ModuleDict(dict(embed=nn.Embedding(vocab, d), layers=nn.ModuleList(Block(d) for _ in range(layers)),
+                               norm=nn.RMSNorm(d), head=nn.Linear(d, vocab, bias=False))).to(device)
     return model, [torch.randn_like(p) * 1e-3 for p in model.parameters()]
 
 
@@ -83,39 +80,25 @@ def count_syncs(fn, device: torch.device) -> int:
 
 def count_collectives(fn) -> Counter:
     """``torch.distributed``'s collectives called in one call of ``fn``, by name."""
-    calls: Counter = Counter()
-    saved = {n: getattr(dist, n) for n in COLLECTIVES if hasattr(dist, n)}
-    for n, orig in saved.items():
-        def counted(*a, _n=n, _orig=orig, **k):
-            calls[_n] += 1
-            return _orig(*a, **k)
-
-        setattr(dist, n, counted)
-    try:
+    with contextlib.ExitStack() as stack:
+        calls = {n: stack.enter_context(mock.patch.object(dist, n, wraps=getattr(dist, n)))
+                 for n in COLLECTIVES if hasattr(dist, n)}
         fn()
-    finally:
-        for n, orig in saved.items():
-            setattr(dist, n, orig)
-    return calls
+    return Counter({n: c.call_count for n, c in calls.items() if c.call_count})
 
 
 def measure(names, model, grads, steps, device, barrier=lambda: None, collectives=False) -> list[dict]:
-    """Every optimizer on the same parameters, stepped in turn, each under the reference trainer's lr schedule
-    (``build_scheduler``: linear warm-up over 10 % of the steps, then cosine to 10 %; stepped after each step,
-    untimed): the median per optimizer, its host syncs and collectives (one scheduled step)."""
+    """Every optimizer on the same parameters, stepped in turn under the reference trainer's lr schedule (warm-up,
+    cosine): per optimizer the median step, its host syncs and collectives (one scheduled step)."""
     from swan_dist.reference.config import TrainConfig
     from swan_dist.reference.optim import build_scheduler
 
     opts = {name: make(name, model, grads) for name in names}
     scheds = {name: build_scheduler(TrainConfig(steps=steps + 4, warmup_ratio=0.1, min_lr_ratio=0.1), opt)
               for name, opt in opts.items()}
-    def after(name: str, t: float) -> float:  # the next lr, untimed
-        scheds[name].step()
-        return t
-
-    # 3 warm-up rounds: state, plan, caches
+    # 3 warm-up rounds (state, plan, caches); the next lr set after each step, untimed
     times = turns({name: opt.step for name, opt in opts.items()}, steps, warmup=3, sync=sync_of(device),
-                  before=lambda name, k: barrier(), after=after)
+                  before=lambda name, k: barrier(), after=lambda name, t: scheds[name].step() or t)
     rows = []
     for name, opt in opts.items():
         row = dict(name=name, t=statistics.median(times[name]), syncs=count_syncs(opt.step, device))
@@ -133,11 +116,10 @@ def _rank(rank: int, world: int, layers: int, d: int, steps: int, names, cuda: b
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     model, grads = build(layers, d, device)
     rows = measure(names, model, grads, steps, device, barrier=dist.barrier, collectives=True)
-    for row in rows:  # the slowest rank's median
-        t = torch.tensor([row["t"]], dtype=torch.float64, device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        row["t"] = t.item()
-    dist.barrier()
+    t = torch.tensor([row["t"] for row in rows], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank's median
+    for row, slowest in zip(rows, t.tolist()):
+        row["t"] = slowest
     dist.destroy_process_group()
     return rows
 
@@ -182,28 +164,16 @@ def main() -> None:
     if args.json:
         Path(args.json).write_text(json.dumps([{k: r[k] for k in ("world", "name", "t", "syncs")} for r in found]))
 
-    setup = (f"{LAYERS} layers x 7 `Linear({DIM}, {DIM}, bias=False)` ({n_matrices} matrices) + 2 "
-             f"RMSNorms each, embedding, final norm, head: {n_tensors} tensors "
-             f"({sum(g.numel() for g in grads) / 1e6:.2f}M parameters). Device: {device_name(device)}, torch "
-             f"{torch.__version__}; `optimizer.step()` only, median of {args.steps} steps on fixed gradients, the "
-             "optimizers stepped in turn, each under the reference trainer's lr schedule (linear warm-up, then "
-             "cosine: a new lr at every step)")
+    setup = (f"{LAYERS} layers x 7 `Linear({DIM}, {DIM}, bias=False)` ({n_matrices} matrices) + 2 RMSNorms each, "
+             f"embedding, final norm, head: {n_tensors} tensors ({sum(g.numel() for g in grads) / 1e6:.2f}M "
+             f"parameters). {device_name(device)}, torch {torch.__version__}; median of {args.steps} steps, the "
+             "optimizers in turn under the reference trainer's lr schedule")
     if multi:
-        setup += (f" (W={args.world}: {args.world} processes, " + ("one GPU each, NCCL" if cuda else
-                  "1 thread each, gloo") + ", the whole model on every rank as under DDP; the slowest rank's median)")
+        setup += (f" (W={args.world}: {args.world} processes, {'one GPU each, NCCL' if cuda else '1 thread each, gloo'}"
+                  ", the whole model on every rank; the slowest rank's median)")
     setup += "." if multi or args.world <= 1 else f". W={args.world} needs {args.world} GPUs."
-    notes = [f"`swan-none`: SWAN with `whitening=\"none\"` (GradNorm and rescale: the step is bookkeeping), AdamW "
-             f"fallback on the {n_tensors - n_matrices} embedding/norm/head tensors; `+sign`: the stateless sign "
-             "fallback; `@owner` / `@local`: the engine mode at W>1 (owner: two all_to_all send each matrix's update "
-             "from its owner; local: no exchange). Collectives: one scheduled step after warm-up. Per tensor = step "
-             "time / tensors. Host syncs: on CUDA what `torch.cuda.set_sync_debug_mode` reports; on the CPU "
-             "torch.Tensor's value reads (`item`, `tolist`, `bool`, ...), anyone's (torch's foreach AdamW reads its "
-             "CPU step counters)."]
-    text = "\n".join([setup, "", *lines, "", *notes])
-    print(text)
-    if not args.no_write:
-        write_section(f"lean-step-{device.type}", f"Lean step ({device.type.upper()}): per-tensor overhead on many "
-                      "small matrices under an lr schedule", text)
+    publish(f"lean-step-{device.type}", f"Lean step ({device.type.upper()}): per-tensor overhead on many small "
+            "matrices under an lr schedule", "\n".join([setup, "", *lines]), write=not args.no_write)
 
 
 def compare(args) -> None:
@@ -212,16 +182,12 @@ def compare(args) -> None:
     new, old = against(args.against, __file__, argv, args.rounds)
     lines, _ = against_table(args.against, new, old, ("world", "W", "---:"), ("adamw-foreach", "AdamW foreach"),
                              (f"host reads / step: this, {args.against}", lambda r, r0: f"{r['syncs']}, {r0['syncs']}"))
-    text = "\n".join([
-        f"This script's model ({LAYERS} layers x 7 `Linear({DIM}, {DIM})`, the rows of the section "
-        f"above), run {args.rounds} times on this commit's swan_dist and {args.rounds} times on commit "
-        f"{args.against}'s, in turn; per row the best of the rounds' median step times. A ratio under 1 is this "
-        "commit faster. Host reads: as in the section above.", "", *lines])
-    print(text)
-    if not args.no_write:
-        kind = "cuda" if torch.cuda.is_available() else "cpu"
-        write_section(f"lean-step-{kind}-against", f"Lean step ({kind.upper()}): this commit against {args.against}",
-                      text)
+    intro = (f"The section above's rows ({args.steps} steps) run {args.rounds} times on this commit's swan_dist and "
+             f"on {args.against}'s, in turn; per row the best of the rounds' medians. A ratio under 1 is this commit "
+             "faster.")
+    kind = "cuda" if torch.cuda.is_available() else "cpu"
+    publish(f"lean-step-{kind}-against", f"Lean step ({kind.upper()}): this commit against {args.against}",
+            "\n".join([intro, "", *lines]), write=not args.no_write)
 
 
 if __name__ == "__main__":
