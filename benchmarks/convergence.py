@@ -42,8 +42,7 @@ SWEPT = (*MAIN[3:], *MAIN[:3])  # every lr swept, the baselines' first
 
 
 def calibrate(runs: study.Study) -> dict[str, dict[str, float]]:
-    """A few steps of each optimizer, sharing the cores as the study's runs will: seconds per training token, per
-    evaluation (at the first and the last step), and per run otherwise."""
+    """A few steps of each optimizer, sharing the cores as the study's runs will: seconds per token, evaluation, run."""
     rates, tokens = {}, runs.args.calib_steps * runs.tokens_per_step
     for run in [runs.submit(a, None, tokens, 0, f"calibrate/{a.key}") for a in MAIN]:
         r = run()
@@ -85,8 +84,7 @@ def summarise(runs: list[dict[str, Any]], target: float, adamw_tokens: float) ->
 
 
 def table(rows: list[tuple[str, str, dict[str, Any]]]) -> list[str]:
-    """The main table: final loss ± half the seeds' range, perplexity, tokens to AdamW's final loss (seed range; n/r:
-    a seed whose own curve does not reach it), optimizer state, µs / token."""
+    """The main table's lines (what each column is: docs/convergence.md)."""
     lines = ["| optimizer | lr | final val loss | perplexity | tokens to AdamW's final loss (vs AdamW) | "
              "optimizer state | µs / token |", "|---|---:|---:|---:|---:|---:|---:|"]
     for label, lr, s in rows:
@@ -195,11 +193,9 @@ def report(args, sweeps: dict[str, Any], stats: dict[str, Any], ctx: dict[str, A
         return table([(a.label, lr_cell(a.key), stats[a.key]) for a in arms])
 
     model = f"`{args.model}`" + (f" {json.dumps(args.model_overrides)}" if args.model_overrides else "")
-    if ctx["device"] == "cuda":
-        where = f"on {torch.cuda.get_device_name()} ({ctx['cores']} CPU cores)"
-    else:
-        threads = torch.get_num_threads()
-        where = f"on the CPU: **ran on {ctx['cores']} CPU cores** ({threads} torch thread{'s' * (threads != 1)})"
+    threads = torch.get_num_threads()
+    where = (f"on {torch.cuda.get_device_name()} ({ctx['cores']} CPU cores)" if ctx["device"] == "cuda" else
+             f"on the CPU: **ran on {ctx['cores']} CPU cores** ({threads} torch thread{'s' * (threads != 1)})")
     if args.jobs > 1:
         where += f", {args.jobs} runs at a time (`--jobs {args.jobs}`)"
     lines = [

@@ -16,13 +16,13 @@ import study  # this folder is the script's: on sys.path
 from study import Arm
 
 TIED = Arm("swan_ddagger", "SWAN‡", "swan", "swan_ddagger")
+NAMES = {"adamw": "AdamW", "tied": "SWAN‡, fallback tied", "at_eta": "SWAN‡, fallback_lr = η"}  # the sweeps of lrs
 
 
 def parse(argv: list[str] | None) -> Any:
     ap = study.parser(__doc__, weight_decay=0.0, name="")
     ap.add_argument("--seeds", type=study.listed(int), default=[0], help="every point with each; the value: the mean")
-    ap.add_argument("--fallback-ratios", type=study.listed(float), default=[0.25, 0.5, 1.0, 2.0, 4.0],
-                    help="sweep 4's fallback_lr values, in η")
+    ap.add_argument("--fallback-ratios", type=study.listed(float), default=[0.25, 0.5, 1.0, 2.0, 4.0])  # in η
     ap.add_argument("--swan-ratios", type=study.listed(float), help="SWAN‡'s lr grid in η (default: --swan-lrs)")
     ap.add_argument("--tied-only", action="store_true", help="sweeps 1 and 2 only (no fallback_lr sweeps)")
     ap.add_argument("--wd-ratios", type=study.listed(float), default=[1.0, 5.0], help="SWAN‡'s decays, in λ")
@@ -97,8 +97,7 @@ def report(args: Any, res: dict[str, Any], png: Path, command: str) -> str:
         own = study.tokens_to_reach(res["adamw"]["points"][eta]["curve"], target)
         lines += ["", f"Tokens to AdamW's best final loss ({target:.3f}, AdamW at η = {eta:g}):", "",
                   "| run | lr | final val loss | tokens to AdamW's best final loss |", "|---|---:|---:|---:|"]
-        names = {"adamw": "AdamW", "tied": "SWAN‡, fallback tied", "at_eta": "SWAN‡, fallback_lr = η"}
-        for key, name in names.items():
+        for key, name in NAMES.items():
             for lr, p in res.get(key, {}).get("points", {}).items():
                 t = study.tokens_to_reach(p["curve"], target)
                 reach = "not reached" if t is None else f"{t / 1e3:,.1f}K" + (f" ({t / own:.2f}x)" if own else "")
@@ -141,8 +140,7 @@ def plot(png: Path, res: dict[str, Any]) -> None:
 
     eta = res["eta"]
     a, b = Figure(figsize=(10, 3.6), dpi=110).subplots(1, 2)
-    names = {"adamw": "AdamW", "tied": "SWAN‡, fallback at lr", "at_eta": "SWAN‡, fallback_lr = η"}
-    sweeps = {names[key]: res[key]["results"] for key in names if key in res}
+    sweeps = {name: res[key]["results"] for key, name in NAMES.items() if key in res}
     for label, results in sweeps.items():
         a.plot([lr / eta for lr in results], list(results.values()), "o-", label=label)
     ratios = sorted({lr / eta for results in sweeps.values() for lr in results})
