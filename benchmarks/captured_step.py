@@ -15,7 +15,7 @@ import torch
 import swan_dist
 from swan_dist.reference.baselines import MuonWithAdamW, muon_split
 
-from measure import best_round, median_time, parser, write_section  # noqa: E402 (benchmarks/ is the script's folder)
+from measure import best_round, median_time, parser, publish  # (benchmarks/ is the script's folder)
 from optimizer_step import reference, sync_of  # noqa: E402
 
 WARMUP, LR = 3, 1e-3
@@ -90,17 +90,13 @@ def main() -> None:
             ratio = best["swan-captured"] / best["swan-capturable"]
             lines.append(f"| {size} | captured / eager (capturable) | | **{ratio:.2f}x** | |")
         text = "\n".join([
-            f"Reference LLaMA in bf16 (parameters and gradients), one process, {dev}, torch {torch.__version__}: "
-            "`optimizer.step()` on fixed gradients under an lr schedule (LambdaLR, a new lr every step), each "
-            f"optimizer in turn: {args.rounds} rounds of {args.steps} steps after {WARMUP} warm-up steps, the "
-            "best round's median (the first warm-up step compiles SWAN's whitening on CUDA). "
-            "`swan`: SWAN‡ (`SWAN(model)`); `swan-capturable`: with `capturable=True`, eager; `swan-captured`: that "
-            "step captured once in a CUDA graph and replayed. `muon`: torch's Muon on SWAN's matrices, AdamW "
-            "(foreach) on the rest. Weight decay 0.1 for all.", "", *lines])
-        print(text, flush=True)
-        if device.type == "cuda" and not args.no_write:
-            write_section("captured-step-cuda", "Optimizer step on one GPU (CUDA): eager and captured, SWAN‡ vs "
-                          "AdamW and Muon", text)
+            f"Reference LLaMA in bf16, one process, {dev}, torch {torch.__version__}: `optimizer.step()` on fixed "
+            f"gradients, a new lr every step (LambdaLR); {args.rounds} rounds of {args.steps} steps after {WARMUP} "
+            "warm-up, the best round's median; weight decay 0.1. `swan-capturable`: `capturable=True`, eager; "
+            "`swan-captured`: its step replayed from a CUDA graph; `muon`: torch's Muon on SWAN's matrices, AdamW on "
+            "the rest.", "", *lines])
+        publish("captured-step-cuda", "Optimizer step on one GPU (CUDA): eager and captured, SWAN‡ vs AdamW and Muon",
+                text, write=device.type == "cuda" and not args.no_write)
 
 
 if __name__ == "__main__":

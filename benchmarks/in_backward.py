@@ -14,7 +14,7 @@ import statistics
 import torch
 import torch.distributed as dist
 
-from measure import parser, spawn, turns, write_section  # noqa: E402 (benchmarks/ is the script's folder)
+from measure import parser, publish, spawn, turns
 
 BATCH, SEQ, WARMUP, THREADS = 8, 128, 2, 2  # per rank; THREADS: the one-process run's (W > 1: one each)
 
@@ -71,16 +71,11 @@ def main() -> None:
         rows.append(f"| {'one process' if world == 1 else 'FSDP2'} | {world} | {1e3 * t['ordinary']:.1f} | "
                     f"{1e3 * t['in_backward']:.1f} | {t['in_backward'] / t['ordinary']:.2f} |")
         print(rows[-1], flush=True)
-    body = "\n".join([
-        f"The `{args.size}` reference model, {BATCH} x {SEQ} tokens per rank, SWAN‡ (`swan_ddagger`), a "
-        "whole iteration (`zero_grad`, forward, backward, `step`); median of "
-        f"{args.steps} after {WARMUP} warm-up, rounds alternating the two.", "", *rows, "",
-        "In backward, parameters (one process) or FSDP modules (FSDP2) are updated once their gradients are "
-        "reduced, in batches of up to 16 MiB of gradients per rank (the rest when backward ends), and those "
-        "gradients freed; the ordinary step holds every gradient until `step()`."])
-    if not args.no_write:
-        write_section("in-backward-cpu", "Updates made during backward (CPU): iteration time against the ordinary "
-                      "step", body)
+    publish("in-backward-cpu", "Updates made during backward (CPU): iteration time against the ordinary step",
+            "\n".join([f"The `{args.size}` reference model, {BATCH} x {SEQ} tokens per rank, SWAN‡ (`swan_ddagger`), "
+                       "a whole iteration (`zero_grad`, forward, backward, `step`); median of "
+                       f"{args.steps} after {WARMUP} warm-up, rounds alternating the two.", "", *rows]),
+            write=not args.no_write)
 
 
 if __name__ == "__main__":

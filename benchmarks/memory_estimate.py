@@ -1,34 +1,55 @@
-"""One rank's whole FSDP2 training step, measured live (``FSDPMemTracker``) on real tensors or traced without
-allocating: rank r of W on torch's fake process group, the reference LLaMA under ``FakeTensorMode`` sharded as
-the reference trainer shards it, two steps with the real optimizer, the second counted (a fake step assumes
-every gradient finite). benchmarks/memory_dist.py checks the trace against real runs; benchmarks/real_setup.py
-traces LLaMA 1.3B-70B at W up to 1,024."""
+"""A step's memory, for memory.py, memory_dist.py and real_setup.py: one rank's whole FSDP2 training step measured
+live (``FSDPMemTracker``) or traced without allocating (rank r of W on torch's fake process group, ``FakeTensorMode``;
+a fake step assumes every gradient finite), two steps with the real optimizer, the second counted; one process's
+step under MemTracker and the bound on its transient; the LLaMA shapes, the bf16 model built in place."""
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
 from measure import categories, traced, tracked_step
 
-LLAMA = {  # LLaMA-2 7B and 70B (70B: grouped-query attention, 8 key/value heads)
+LLAMA = {  # the LLaMA paper's 7B and 13B, LLaMA-2 70B (grouped-query attention, 8 key/value heads)
     "7b": dict(dim=4096, n_layers=32, n_heads=32, ffn_dim=11008),
+    "13b": dict(dim=5120, n_layers=40, n_heads=40, ffn_dim=13824),
     "70b": dict(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=28672),
 }
-VARIANTS = {
-    "adamw": "AdamW (torch, foreach)",
-    "owner": "SWAN‡ owner mode",
-    "replicated": "SWAN‡ replicated mode",
-    "backward": "SWAN‡ owner, step_in_backward",
-}
+VARIANTS = {"adamw": "AdamW (torch, foreach)", "owner": "SWAN‡ owner mode", "replicated": "SWAN‡ replicated mode",
+            "backward": "SWAN‡ owner, step_in_backward"}
 
 
 def model_config(size: str, **overrides):
-    """The reference LLaMA of ``size`` (a reference size, or 7b / 70b) with the papers' 32k vocabulary."""
+    """The reference LLaMA of ``size`` (a reference size, or a name of :data:`LLAMA`), the papers' 32k vocabulary."""
     from swan_dist.reference.model import LlamaConfig, model_config
 
     if size in LLAMA:
         return LlamaConfig(**{"vocab_size": 32000, "max_seq_len": 4096, **LLAMA[size], **overrides})
-    return model_config(size, vocab_size=32000, **overrides)
+    return model_config(size, **{"vocab_size": 32000, **overrides})
+
+
+def build(cfg, device: str = "cpu", shard=None, fake: bool = False):
+    """The reference LLaMA ``cfg`` in bf16, made on ``meta`` (``shard(model)`` there) and materialised on ``device``
+    in place (no fp32 copy); ``fake``: made under the caller's ``FakeTensorMode``. For memory.py, memory_dist.py."""
+    from swan_dist.reference.model import Llama, rope_tables
+
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with contextlib.nullcontext() if fake else torch.device("meta"):
+            model = Llama(cfg)
+    finally:
+        torch.set_default_dtype(default)
+    if shard is not None:
+        shard(model)
+    if not fake:
+        model.to_empty(device=device)
+        torch.manual_seed(0)
+        model.reset_parameters()
+    cos, sin = rope_tables(cfg.dim // cfg.n_heads, cfg.max_seq_len)
+    model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)  # the constant tables, fp32 as the model keeps
+    return model
 
 
 def optimizer(variant: str, model, bucket_mb: float = 256.0):
@@ -55,6 +76,51 @@ def step_bound(opts: list, variant: str) -> dict | None:
     return max(bounds, key=lambda b: b["total"], default=None)
 
 
+def tracked(model, opts, step) -> dict:
+    """One step under MemTracker: its peak and current snapshots by category, the model's forward and backward peaks."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    tracker = MemTracker()
+    tracker.track_external(model, *opts)
+    with tracker:
+        step()
+    snaps = getattr(tracker.memory_tracking.get(model), "snapshots", {})
+    return dict(peak=categories(tracker.get_tracker_snapshot("peak")),
+                after=categories(tracker.get_tracker_snapshot("current")),
+                module_peaks={k.value: max(map(categories, v), key=lambda c: c.get("Total", 0))
+                              for k, v in snaps.items() if v and k.value in ("Peak-Forward", "Peak-Backward")})
+
+
+def phase(r: dict) -> str:
+    """Where MemTracker's peak fell: forward or backward (the model's module-wise peak reaches it), else the step."""
+    mods = r.get("module_peaks", {})
+    return next((n.lower() for n in ("Backward", "Forward")
+                 if mods.get(f"Peak-{n}", {}).get("Total", -1) >= r["peak"].get("Total", 0)), "step")
+
+
+def transient(r: dict) -> int:
+    """The step's scratch at MemTracker's peak: its optimizer category less the state kept after it."""
+    return max(0, r["peak"].get("Optstate", 0) - r["after"].get("Optstate", 0))
+
+
+def transient_bound(cfg, fallback: str) -> int:
+    """docs/engine.md's bound ("Memory a step adds", one process) on SWAN‡'s step transient for the model ``cfg``
+    (bf16) with ``fallback``, on the CPU, in bytes."""
+    from swan_dist.functional import WhitenConfig, resolve_dtype
+    from swan_dist.rules.fallback import _SIGN_CPU_BYTES
+    from swan_dist.whitening import _CPU_BATCH_BYTES
+
+    w = torch.empty((), dtype=resolve_dtype(WhitenConfig(method="nsds"), torch.device("cpu"))).element_size()
+    g = p = 2  # bf16 gradients and weights
+    shapes = {(cfg.dim, cfg.dim): 4 * cfg.n_layers, (cfg.ffn_dim, cfg.dim): 2 * cfg.n_layers,
+              (cfg.dim, cfg.ffn_dim): cfg.n_layers}  # wq wk wv wo; w1 w3; w2 (out, in)
+    worst = 0
+    for (m, n), count in shapes.items():
+        k = min(count, max(1, _CPU_BATCH_BYTES // (4 * m * n)))
+        worst = max(worst, k * m * n * ((g if k > 1 else 0) + 2 * w + 4 + p) + 2 * k * min(m, n) ** 2 * max(w, 4))
+    return max(worst, 0 if fallback == "adamw" else min(_SIGN_CPU_BYTES, 2 * cfg.vocab_size * cfg.dim * g))
+
+
 def state_bytes(opts: list) -> int:
     """The optimizers' state tensors on this rank (DTensors: their local shards; step counters left out)."""
     return sum(getattr(t, "_local_tensor", t).numel() * t.element_size() for o in opts for s in o.state.values()
@@ -66,22 +132,19 @@ def largest_unit_bytes(model) -> int:
     (what a trace on the fake process group does not hold at the peak where a real run does)."""
     from torch.distributed.fsdp import FSDPModule
 
-    owner: dict[int, int] = {}
-    for k, m in enumerate(m for m in model.modules() if isinstance(m, FSDPModule)):
-        for p in m.parameters():  # pre-order: a nested unit's parameters end up its own
-            owner[id(p)] = k
-    per: dict[int, int] = {}
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    owner = {id(p): k for k, m in enumerate(units) for p in m.parameters()}  # pre-order: nested units' own last
+    per = [0] * len(units)
     for p in model.parameters():
-        per[owner[id(p)]] = per.get(owner[id(p)], 0) + p.numel() * p.element_size()
-    return max(per.values())
+        per[owner[id(p)]] += p.numel() * p.element_size()
+    return max(per)
 
 
 def fsdp2_step(cfg, mesh, variant, seq: int, bucket_mb: float = 256.0, dtype=torch.bfloat16, *, batch: int = 1,
                mp=None, ac: bool = False) -> dict:
-    """The reference LLaMA ``cfg`` made in ``dtype``, each block in a ``checkpoint_wrapper`` where ``ac``, sharded
-    over ``mesh`` (with the ``MixedPrecisionPolicy`` ``mp``), the optimizer ``variant`` (a name of
-    :data:`VARIANTS`, or a function of the model): two steps of ``batch`` x ``seq`` tokens under
-    ``FSDPMemTracker``, the second measured; on real tensors, or fake ones (:func:`trace_step`)."""
+    """The reference LLaMA ``cfg`` in ``dtype`` (blocks checkpointed where ``ac``) sharded over ``mesh`` (policy
+    ``mp``), optimizer ``variant`` (a name of :data:`VARIANTS` or a function of the model): two steps of ``batch`` x
+    ``seq`` tokens under ``FSDPMemTracker``, the second measured; on real or fake tensors (:func:`trace_step`)."""
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
     from torch.distributed.fsdp import fully_shard

@@ -1,20 +1,16 @@
-"""What SWAN‡ saves and costs per GPU in the setup a LLaMA pre-training run uses (FSDP2 mixed precision, 8 x
-2,048 tokens per GPU, with and without activation checkpointing) against fused AdamW, LLaMA 1.3B-70B at W = 8,
-64, 1,024: one rank's step traced (benchmarks/memory_estimate.py), SWAN's step charged at least the bound of
-the schedule a GPU runs (``Exchange.transient_bound``), time from benchmarks/gpu_model.py's model.
+"""What SWAN‡ saves and costs per GPU in a LLaMA pre-training setup (FSDP2 mixed precision, 8 x 2,048 tokens per
+GPU, with and without activation checkpointing) against fused AdamW, LLaMA 1.3B-70B at W = 8, 64, 1,024: one rank's
+step traced (memory_estimate.py), SWAN's step at least its GPU schedule's bound, time from gpu_model.py's model.
 
     python benchmarks/real_setup.py                      # every point (about half an hour on 2 cores)
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-
 import torch
 
 import gpu_model as gm
-from measure import traced, write_section
+from measure import parser, publish, traced
 from memory_estimate import model_config, trace_step
 from swan_dist.functional import WhitenConfig
 from swan_dist.plan import row_shard_ranges
@@ -71,8 +67,6 @@ def run(args) -> list[dict]:
                     r["gpu_bound"] = bound if variant == "swan" else 0
                     out.append(r)
                     print(f"{size} W={world} ac={ac} {variant}: peak {peak(r) / GiB:.2f} GiB", flush=True)
-                    with open(args.save, "w") as f:
-                        json.dump(out, f)
     return out
 
 
@@ -102,10 +96,7 @@ def report(args, rows: list[dict]) -> str:
     sizes = list(dict.fromkeys(r["size"] for r in rows))
     worlds = sorted({r["world"] for r in rows})
     model = times(args, sizes, worlds)
-    lines = [f"FSDP2, `MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`, fp32 shards; {args.batch} x "
-             f"{args.seq:,} tokens per GPU; AC: activation checkpointing of every block. Peak per GPU (GiB), "
-             "traced; SWAN‡'s step as on a GPU (see the script). Time: predicted tokens/s against AdamW's on "
-             "H100s (`benchmarks/gpu_model.py`'s model), the step's share of the iteration beside it.", "",
+    lines = [f"{args.batch} x {args.seq:,} tokens per GPU; peak per GPU (GiB), traced; time predicted on H100s.", "",
              "| model | W | AC | AdamW (fused) peak | SWAN‡ peak | saved per GPU | saved / AdamW peak | AdamW state "
              "| SWAN‡ state | SWAN‡ step adds | tokens/s vs AdamW | SWAN‡ step / iteration |",
              "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
@@ -125,40 +116,21 @@ def report(args, rows: list[dict]) -> str:
                              f"{a['state_bytes'] / GiB:,.2f} | {s['state_bytes'] / GiB:,.2f} | "
                              f"{max(s['transient'], s['gpu_bound']) / GiB:,.2f} | {speed:.3f} | "
                              f"{t.owner / (t.compute + t.owner):.1%} |")
-    best = max(summary, key=lambda x: x[3])
-    worst = min(summary, key=lambda x: x[3])
+    best, worst = max(summary, key=lambda x: x[3]), min(summary, key=lambda x: x[3])
     slow = min(summary, key=lambda x: x[4])
-    lines += ["", f"**Reading it.** SWAN‡ keeps no moments for the matrices, so it saves AdamW's 8 bytes of fp32 "
-              "state per matrix element, sharded 1/W: most where few GPUs share the state, least where many do "
-              f"(here from {best[3]:.0%} of AdamW's peak, {SIZES[best[0]][0]} at W = {best[1]:,}"
-              f"{' with AC' if best[2] else ''}, down to {worst[3]:.1%}, {SIZES[worst[0]][0]} at W = {worst[1]:,}"
-              f"{' with AC' if worst[2] else ''}: at large W AdamW's state is sharded thin and SWAN saves little). "
-              "Activation checkpointing shrinks the activations, so the same saving is a larger share of the "
-              f"peak. In time the model predicts tokens/s within {1 - slow[4]:.1%} of AdamW's or better at every "
-              f"point (lowest: {SIZES[slow[0]][0]} at W = {slow[1]:,}); the whitening's critical path is the "
-              "largest matrix once W passes the number of matrices, while each GPU's compute stays "
-              f"{args.batch * args.seq:,} tokens. Predicted, not measured: the owner exchange over NCCL at W > 1 "
-              "has not run."]
+    at = lambda x: f"{SIZES[x[0]][0]} at W = {x[1]:,}{' with AC' if x[2] else ''}"  # noqa: E731
+    lines += ["", "**Reading it.** SWAN‡ saves AdamW's fp32 moments of the matrices, sharded 1/W: from "
+              f"{best[3]:.0%} of AdamW's peak ({at(best)}) down to {worst[3]:.1%} ({at(worst)}). Predicted tokens/s "
+              f"within {1 - slow[4]:.1%} of AdamW's or better at every point (lowest: {at(slow)}). Predicted, not "
+              "measured: the owner exchange over NCCL at W > 1 has not run."]
     return "\n".join(lines)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sizes", default="1b3,7b,70b")
-    ap.add_argument("--worlds", default="8,64,1024")
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--seq", type=int, default=2048)
-    ap.add_argument("--save", default="/tmp/real_setup.json", help="the traces, written as they are made")
-    ap.add_argument("--load", help="report the traces saved by an earlier run instead of tracing")
-    ap.add_argument("--no-write", action="store_true")
-    args = ap.parse_args()
+    args = parser(__doc__, sizes="1b3,7b,70b", worlds="8,64,1024", batch=8, seq=2048).parse_args()
     torch.set_num_threads(1)
-    rows = json.load(open(args.load)) if args.load else run(args)
-    text = report(args, rows)
-    print(text)
-    if not args.no_write:
-        write_section("real-setup", "What SWAN saves and costs in a real setup (traced, no device): FSDP2 mixed "
-                      "precision, LLaMA 1.3B-70B at W = 8-1,024", text)
+    publish("real-setup", "What SWAN saves and costs in a real setup (traced, no device): FSDP2 mixed precision, "
+            "LLaMA 1.3B-70B at W = 8-1,024", report(args, run(args)), write=not args.no_write)
 
 
 if __name__ == "__main__":
