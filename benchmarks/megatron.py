@@ -14,31 +14,38 @@ import statistics
 import sys
 import warnings
 from pathlib import Path
+from unittest import mock
 
-# this file would shadow megatron-core's namespace package ``megatron``: its folder leaves sys.path (``measure``
-# is loaded by its path, registered for the spawned ranks) and tests/ (the CPU harness) joins it
+# this file would shadow megatron-core's namespace package: its folder leaves sys.path, tests/ (the harness) joins
 _HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE] + [str(_HERE.parent / "tests")]
 _spec = importlib.util.spec_from_file_location("measure", _HERE / "measure.py")
 measure = sys.modules["measure"] = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(measure)
 
-import megatron_harness as harness  # noqa: E402
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
 # "Apex / Transformer Engine not installed" (the table names the optimizer class), deprecated collectives
 warnings.filterwarnings("ignore", module=r"megatron\.")
 warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed\.")
 
+import megatron.core.distributed as mcd  # noqa: E402
+import megatron_harness as harness  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from megatron.core import __version__ as MCORE, parallel_state as ps  # noqa: E402
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # noqa: E402
+
+from swan_dist.integrations.megatron_factory import get_swan_optimizer  # noqa: E402
+from swan_dist.memory import state_bytes  # noqa: E402
+from swan_dist.reference.data import WindowSampler, build_data, eval_batches  # noqa: E402
+
 try:  # Megatron's Muon needs emerging-optimizers v0.1.0 (bash benchmarks/install_muon.sh)
-    from megatron.core.optimizer.muon import HAVE_EMERGING_OPTIMIZERS as MUON
+    from megatron.core.optimizer.muon import HAVE_EMERGING_OPTIMIZERS as MUON, get_megatron_muon_optimizer
 except ImportError:
     MUON = False
 
 SEED, EXPERTS = 1234, 4  # EXPERTS: per layer of the MoE layout (top 2, SequentialMLP: harness.MOE_CPU)
 LABELS = {"megatron-adam": "Megatron Adam", "megatron-muon": "Megatron Muon, every DP rank all matrices",
-          "megatron-dist-muon": "Megatron Muon, layer-wise distributed", "swan": "SWAN‡"}
+          "swan": "SWAN‡"}
 LRS = {"megatron-adam": (5e-4, 1e-3, 2e-3), "megatron-muon": (5e-4, 1e-3, 3e-3), "swan": (2.5e-3, 5e-3, 1e-2)}
 
 
@@ -50,36 +57,23 @@ def _layouts(world: int, moe: bool) -> list[tuple[str, int, int, bool]]:
 
 def _build(tp: int, distopt: bool, a, experts: int = 0) -> list:
     """``harness.build_gpt``'s model; on a GPU without the CPU shims, moved there before Megatron DDP's buffers."""
-    import megatron.core.distributed as mcd
-
     kw = dict(hidden=a.hidden, ffn=a.ffn, layers=a.layers, heads=a.heads, query_groups=a.query_groups,
               vocab=a.vocab, seq=a.seq, seed=SEED, use_distributed_optimizer=distopt, experts=experts)
     if not torch.cuda.is_available():
         return harness.build_gpt(tp, **kw)[0]
     if experts:
         raise SystemExit("benchmarks/megatron.py: the MoE layout (--moe) runs on the CPU only")
-    ddp, shims = mcd.DistributedDataParallel, harness.install_cpu_shims
-    mcd.DistributedDataParallel = lambda config, ddp_config, model: ddp(config, ddp_config, model.cuda())
-    harness.install_cpu_shims = lambda: None
-    try:
+    ddp = mcd.DistributedDataParallel
+    with mock.patch.object(harness, "install_cpu_shims"), mock.patch.object(
+            mcd, "DistributedDataParallel", lambda config, ddp_config, model: ddp(config, ddp_config, model.cuda())):
         return harness.build_gpt(tp, **kw)[0]
-    finally:
-        mcd.DistributedDataParallel, harness.install_cpu_shims = ddp, shims
 
 
 def _optimizer(name: str, chunks: list, lr: float, distopt: bool):
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-
-    from swan_dist.integrations.megatron_factory import get_swan_optimizer
-
     cfg = OptimizerConfig(optimizer="adam", lr=lr, min_lr=lr / 10, weight_decay=0.1, use_distributed_optimizer=distopt)
     if name == "swan":
         return get_swan_optimizer(cfg, chunks, swan={"preset": "swan_ddagger", "verbose": False})
-    if name == "megatron-adam":
-        return get_megatron_optimizer(cfg, chunks)
-    from megatron.core.optimizer.muon import get_megatron_muon_optimizer
-
-    return get_megatron_muon_optimizer(cfg, chunks, layer_wise_distributed_optimizer=name == "megatron-dist-muon")
+    return (get_megatron_optimizer if name == "megatron-adam" else get_megatron_muon_optimizer)(cfg, chunks)
 
 
 def _inner(opt) -> list:
@@ -111,19 +105,13 @@ def _minimum_bytes(opt) -> tuple[int, int]:
 
 def _run(rank: int, a) -> list[dict]:
     """Every layout and optimizer: times of the slowest rank, state of the fullest, SWAN's bytes of all."""
-    from megatron.core import parallel_state as ps
-
-    from swan_dist.memory import state_bytes
-
     dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     rows = []
     for layout, tp, ep, distopt in _layouts(dist.get_world_size(), a.moe):
         ps.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
         dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-        for name in LABELS:
-            if ("muon" in name and not MUON) or (name == "megatron-dist-muon" and dev.type != "cuda"):
-                continue  # dist-muon's all-gather of a size per rank: NCCL's, not gloo's
+        for name in (n for n in LABELS if MUON or "muon" not in n):
             sharded = distopt and "muon" not in name  # Muon refuses the distributed optimizer
             chunks = _build(tp, sharded, a, EXPERTS if ep > 1 else 0)
             opt = _optimizer(name, chunks, 1e-3, sharded)
@@ -156,26 +144,22 @@ def _run(rank: int, a) -> list[dict]:
             total = torch.tensor([sent, whitened, minimum, best], dtype=torch.float64, device=dev)
             dist.all_reduce(top, op=dist.ReduceOp.MAX)
             dist.all_reduce(total)
+            inner = type(_inner(opt)[0]).__name__
             wrapper = "+".join(dict.fromkeys(type(w).__name__ for w in getattr(opt, "chained_optimizers", [opt])))
-            label = LABELS[name] + f" (`{type(_inner(opt)[0]).__name__}` in `{wrapper}`" + (
+            label = f"{LABELS[name]} (`{inner}` in `{wrapper}`" + (
                 ", no distributed optimizer: Muon refuses it)" if "muon" in name and distopt else ")")
-            rows.append(dict(layout=layout, name=name, label=label, kind=type(_inner(opt)[0]).__name__,
-                             **dict(zip(("step", "iter", "state", "sent", "whitened", "minimum", "best"),
-                                        top.tolist() + total.tolist()))))
+            rows.append(dict(zip(("step", "iter", "state", "sent", "whitened", "minimum", "best"),
+                                 top.tolist() + total.tolist()), layout=layout, name=name, label=label))
             if rank == 0:
-                print(f"[megatron] {layout} {name}: step {rows[-1]['step'] * 1e3:.1f} ms, loss {losses[-1]:.3f}",
-                      flush=True)
+                print(f"[megatron] {layout} {name}: step {rows[-1]['step'] * 1e3:.1f} ms, loss {losses[-1]:.3f}")
             del opt, chunks
         ps.destroy_model_parallel()
     return rows
 
 
 def _sweep(rank: int, a) -> list[dict]:
-    """The loss after ``a.sweep`` iterations at DP=W on the ``wiki`` text per optimizer and lr, the same batches
-    for all: train loss of the last 10, validation loss of 4 held-out batches."""
-    from megatron.core import parallel_state as ps
-
-    from swan_dist.reference.data import WindowSampler, build_data, eval_batches
+    """Per optimizer and lr, the same ``wiki`` batches at DP=W: train loss of the last 10 iterations, validation
+    loss of 4 held-out batches."""
 
     def text(x: torch.Tensor, y: torch.Tensor) -> dict:
         return dict(tokens=x, labels=y, position_ids=torch.arange(x.shape[1]).expand(*x.shape).contiguous(),
@@ -199,7 +183,7 @@ def _sweep(rank: int, a) -> list[dict]:
         rows.append(dict(name=name, lr=lr, train=statistics.mean(losses[-10:]), val=float(total[0] / total[1]),
                          finite=all(map(math.isfinite, losses))))
         if rank == 0:
-            print(f"[megatron sweep] {name} lr {lr:g}: validation {rows[-1]['val']:.3f}", flush=True)
+            print(f"[megatron sweep] {name} lr {lr:g}: validation {rows[-1]['val']:.3f}")
         del opt, chunks
     ps.destroy_model_parallel()
     return rows
@@ -224,13 +208,10 @@ def _sweep_table(rows: list[dict], a, world: int) -> str:
     labels = {n: LABELS[n].split(",")[0] for n in LRS}
     best = {n: min((r for r in rows if r["name"] == n and r["finite"]), key=lambda r: r["val"], default=None)
             for n in labels}
-    lines = [f"The dense model of the section above (hidden {a.hidden}, {a.layers} layers, vocab {a.vocab}, seq "
-             f"{a.seq}) at DP = {world} without the distributed optimizer (Muon refuses it), trained {a.sweep} "
-             f"iterations of {a.batch}x{a.seq} tokens of the reference trainer's `wiki` text at a constant lr (no "
-             "warm-up, weight decay 0.1), the same batches for every run; validation loss on 4 fixed batches of "
-             "held-out text. `OptimizerConfig.lr` is each optimizer's one lr: Muon's for its matrices and its Adam's "
-             "for the rest; SWAN‡'s (its preset scales the matrices' step by alpha 0.05) and its AdamW fallback's.",
-             "", "| optimizer | lr | train loss (last 10) | validation loss |", "|---|---:|---:|---:|"]
+    lines = [f"The dense model (hidden {a.hidden}, {a.layers} layers, vocab {a.vocab}, seq {a.seq}) at DP = {world}, "
+             f"{a.sweep} iterations of {a.batch}x{a.seq} tokens of `wiki` text per run at a constant lr; validation "
+             "loss on 4 held-out batches.", "",
+             "| optimizer | lr | train loss (last 10) | validation loss |", "|---|---:|---:|---:|"]
     for r in rows:
         mark = "**" if best[r["name"]] is r else ""
         val = f"{mark}{r['val']:.3f}{mark}" if r["finite"] else "diverged"
@@ -240,25 +221,16 @@ def _sweep_table(rows: list[dict], a, world: int) -> str:
 
 
 def _table(rows: list[dict], a, world: int) -> str:
-    import megatron.core
-
-    threads, _mib = max(1, (os.cpu_count() or 2) // world), lambda n: f"{n / 2**20:.2f}"
+    threads, mib = max(1, (os.cpu_count() or 2) // world), lambda n: f"{n / 2**20:.2f}"
     device = (f"{torch.cuda.get_device_name(0)}, NCCL" if torch.cuda.is_available() else
-              f"CPU ({os.cpu_count()} cores, {world} process{'es' if world > 1 else ''} of {threads} "
-              f"thread{'s' if threads > 1 else ''}, gloo)")
-    lines = [
-        f"megatron-core {megatron.core.__version__} `GPTModel` (hidden {a.hidden}, ffn {a.ffn} SwiGLU, {a.layers} "
-        f"layers, {a.heads} heads / {a.query_groups} query groups, vocab {a.vocab}, seq {a.seq}, tied embeddings, "
-        f"fp32) in Megatron DDP, W = {world} on {device}, torch {torch.__version__}; global batch {a.batch}x{a.seq} "
-        f"tokens; median of {a.steps} iterations after {a.warmup} warm-up, slowest rank, under Megatron's "
-        "`OptimizerParamScheduler` (a new lr every iteration). **step**: `optimizer.step()` (gradient norm and "
-        "clipping, the inner optimizer, the distributed optimizer's all-gather of updated parameters); "
-        "**iteration**: forward, backward (with DDP's gradient reduction) and step. **state**: the inner "
-        "optimizer's state tensors, on the fullest rank. **sent**: bytes SWAN's owner engine sent per step, all "
-        "ranks, both directions.", "",
-        "| layout | optimizer | step ms | iteration ms | step vs Adam | state MiB / rank | state vs Adam "
-        "| sent / step | minimum | sent / minimum | matrices whitened / step |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+              f"CPU ({os.cpu_count()} cores, {world} ranks x {threads} threads, gloo)")
+    lines = [f"megatron-core {MCORE} `GPTModel` (hidden {a.hidden}, ffn {a.ffn}, {a.layers} layers, "
+             f"{a.heads} heads / {a.query_groups} query groups, vocab {a.vocab}, seq {a.seq}) at W = {world} on "
+             f"{device}, torch {torch.__version__}; global batch {a.batch}x{a.seq}; median of {a.steps} iterations "
+             f"after {a.warmup} warm-up.", "",
+             "| layout | optimizer | step ms | iteration ms | step vs Adam | state MiB / rank | state vs Adam "
+             "| sent / step | minimum | sent / minimum | matrices whitened / step |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     notes = []
     for layout, *_ in _layouts(world, a.moe):
         adam = next(r for r in rows if r["layout"] == layout and r["name"] == "megatron-adam")
@@ -266,39 +238,14 @@ def _table(rows: list[dict], a, world: int) -> str:
             vs = (f"{r['step'] / adam['step']:.2f}x", f"{r['state'] / adam['state']:.2f}" if adam["state"] else "-")
             swan = ["-"] * 4
             if r["name"] == "swan":
-                swan = [f"{_mib(r['sent'])} MiB", f"{_mib(r['minimum'])} MiB",
+                swan = [f"{mib(r['sent'])} MiB", f"{mib(r['minimum'])} MiB",
                         f"{r['sent'] / r['minimum']:.2f}" if r["minimum"] else "-", f"{r['whitened']:.0f}"]
-            if r["name"] == "swan" and r["best"] < r["minimum"]:
-                notes.append(f"{layout}: with the rank holding most of each matrix as its owner, {_mib(r['best'])} "
-                             "MiB would move per step; the planner balances whitening cost first (a matrix goes "
-                             f"where it lies only among matrices of equal cost): {_mib(r['sent'])} MiB moved, the "
-                             "minimum for the owners it chose.")
+                if r["best"] < r["minimum"]:
+                    notes.append(f"{layout}: with the rank holding most of each matrix as its owner, {mib(r['best'])} "
+                                 f"MiB would move per step; the planner balances whitening cost first: "
+                                 f"{mib(r['sent'])} MiB moved, the minimum for its owners.")
             lines.append(f"| {layout} | {r['label']} | {r['step'] * 1e3:.1f} | {r['iter'] * 1e3:.1f} | "
-                         f"{vs[0]} | {_mib(r['state'])} | {vs[1]} | " + " | ".join(swan) + " |")
-    fallback = any(r["kind"] == "AdamW" for r in rows if r["name"] == "megatron-adam")
-    lines += [
-        "", f"SWAN‡ whitens {next(r for r in rows if r['name'] == 'swan')['whitened']:.0f} matrices per step, "
-        f"{a.layers} layers x 7 (Q, K and V of `linear_qkv`, `linear_proj`, the gate and up halves of `linear_fc1`, "
-        "`linear_fc2`), each once, on one owner rank; the embedding (tied with the output layer) and the norms keep "
-        "AdamW moments, SWAN's only state. Adam keeps 8 bytes per parameter a rank holds (its TP slice or "
-        "distributed-optimizer shard)" + (": torch's `AdamW`, Megatron's fallback without Transformer Engine or "
-                                          "apex." if fallback else "."),
-        "", "Minimum bytes: for each matrix, the elements its owner does not hold (gathered to it) plus every other "
-        "rank's piece of the update (sent back). At TP=W each rank holds 1/W of every matrix; under the distributed "
-        "optimizer each rank holds a contiguous range of the fp32 parameter buffer, which cuts few matrices."]
-    if a.moe:
-        moe = next(r for r in rows if r["name"] == "swan" and r["layout"].startswith("MoE"))
-        lines += ["", f"MoE layout: every layer's MLP is {EXPERTS} experts (top 2, SequentialMLP, all-to-all "
-                  f"dispatcher), two per EP rank; SWAN‡ whitens each expert's gate, up and fc2 and the router: "
-                  f"{moe['whitened']:.0f} matrices per step, the experts among the ranks holding them."]
-    if MUON:
-        from importlib.metadata import version
-
-        lines += ["", f"Megatron's Muon (`get_megatron_muon_optimizer`, emerging-optimizers "
-                  f"{version('emerging-optimizers')}): 5 Newton-Schulz steps per 2-D non-embedding weight (Q, K, V "
-                  "apart), Adam for the rest; at TP > 1 (`--muon-tp-mode blockwise`) each rank orthogonalizes its "
-                  "slice, where SWAN whitens the whole matrix. `dist_muon` (Megatron-LM's `--optimizer dist_muon`) "
-                  "gives each DP rank whole parameters and all-gathers them with a size per rank: GPUs only."]
+                         f"{vs[0]} | {mib(r['state'])} | {vs[1]} | " + " | ".join(swan) + " |")
     return "\n".join(lines + ([""] + notes if notes else []))
 
 
@@ -315,23 +262,17 @@ def main() -> None:
     if a.sweep:
         if where == "GPU":
             ap.error("--sweep runs on the CPU (gloo) only")
-        from swan_dist.reference.data import build_data
-
         build_data("wiki", vocab_size=a.vocab)  # once, before the ranks load it
     rows = _worker(int(os.environ["RANK"]), world, a) if torchrun else measure.spawn(_worker, world, a)[0]
     if rows is None:  # a rank other than 0 under torchrun
         return
-    body = (_sweep_table if a.sweep else _table)(rows, a, world)
-    print(body)
-    if a.no_write:
-        return
     if a.sweep:
-        measure.write_section("megatron-loss", f"Megatron-core: loss after {a.sweep} iterations, SWAN vs Megatron's "
-                              f"Muon and Adam at their best lr (W={world}, CPU)", body)
+        key, title = "megatron-loss", (f"Megatron-core: loss after {a.sweep} iterations, SWAN vs Megatron's Muon and "
+                                       f"Adam at their best lr (W={world}, CPU)")
     else:
-        against = "Megatron's Adam and Muon" if MUON else "Megatron's Adam"
-        measure.write_section("megatron" if where == "CPU" else "megatron-cuda",
-                              f"Megatron-core: SWAN vs {against} (W={world}, {where})", body)
+        key = "megatron" if where == "CPU" else "megatron-cuda"
+        title = f"Megatron-core: SWAN vs Megatron's Adam{' and Muon' if MUON else ''} (W={world}, {where})"
+    measure.publish(key, title, (_sweep_table if a.sweep else _table)(rows, a, world), write=not a.no_write)
 
 
 if __name__ == "__main__":
