@@ -44,8 +44,9 @@ except ImportError:
     MUON = False
 
 SEED, EXPERTS = 1234, 4  # EXPERTS: per layer of the MoE layout (top 2, SequentialMLP: harness.MOE_CPU)
+# dist-muon on GPUs only: it all-gathers a size per rank, which gloo refuses
 LABELS = {"megatron-adam": "Megatron Adam", "megatron-muon": "Megatron Muon, every DP rank all matrices",
-          "swan": "SWAN‡"}
+          "megatron-dist-muon": "Megatron Muon, layer-wise distributed", "swan": "SWAN‡"}
 LRS = {"megatron-adam": (5e-4, 1e-3, 2e-3), "megatron-muon": (5e-4, 1e-3, 3e-3), "swan": (2.5e-3, 5e-3, 1e-2)}
 
 
@@ -73,7 +74,9 @@ def _optimizer(name: str, chunks: list, lr: float, distopt: bool):
     cfg = OptimizerConfig(optimizer="adam", lr=lr, min_lr=lr / 10, weight_decay=0.1, use_distributed_optimizer=distopt)
     if name == "swan":
         return get_swan_optimizer(cfg, chunks, swan={"preset": "swan_ddagger", "verbose": False})
-    return (get_megatron_optimizer if name == "megatron-adam" else get_megatron_muon_optimizer)(cfg, chunks)
+    if name == "megatron-adam":
+        return get_megatron_optimizer(cfg, chunks)
+    return get_megatron_muon_optimizer(cfg, chunks, layer_wise_distributed_optimizer=name == "megatron-dist-muon")
 
 
 def _inner(opt) -> list:
@@ -111,7 +114,7 @@ def _run(rank: int, a) -> list[dict]:
     for layout, tp, ep, distopt in _layouts(dist.get_world_size(), a.moe):
         ps.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
         dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-        for name in (n for n in LABELS if MUON or "muon" not in n):
+        for name in (n for n in LABELS if (MUON or "muon" not in n) and (dev.type == "cuda" or "dist-" not in n)):
             sharded = distopt and "muon" not in name  # Muon refuses the distributed optimizer
             chunks = _build(tp, sharded, a, EXPERTS if ep > 1 else 0)
             opt = _optimizer(name, chunks, 1e-3, sharded)
