@@ -1,6 +1,6 @@
-"""What ``SWAN(exchange_dtype=...)`` sends and whether it changes training, at W = 2 (gloo, CPU): the bytes rank 0's
-owner exchange sends per step under FSDP2 mixed precision with each exchange dtype, and the reference trainer's final
-validation loss (FSDP2, wiki, SWAN‡) with ``param`` and ``bf16`` per seed; the exchange-dtype-cpu section.
+"""What ``SWAN(exchange_dtype=...)`` sends and whether it changes training, at W = 2 (gloo, CPU): rank 0's owner
+exchange bytes per step under FSDP2 mixed precision per exchange dtype, and the reference trainer's final validation
+loss (FSDP2, wiki, SWAN‡) with ``param`` and ``bf16`` per seed.
 
     python benchmarks/exchange_dtype.py                       # tiny and small, seeds 0 and 1
     python benchmarks/exchange_dtype.py --sizes tiny --steps 20 --no-write
@@ -8,13 +8,12 @@ validation loss (FSDP2, wiki, SWAN‡) with ``param`` and ``bf16`` per seed; the
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import tempfile
 
 import torch
 
-from measure import spawn, write_section  # the script's folder is on sys.path
+from measure import parser, publish, spawn  # the script's folder is on sys.path
 
 DTYPES = ("param", "bf16", "fp32")
 
@@ -30,20 +29,20 @@ def _bytes(rank, world, size):
 
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (world,))
-    out = {}
+    policy, out = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32), {}
     for xd in DTYPES:
         torch.manual_seed(0)
         model = Llama(model_config(size, vocab_size=1024))
-        mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         for unit in (*model.layers, model):
-            fully_shard(unit, mesh=mesh, mp_policy=mp_policy)
+            fully_shard(unit, mesh=mesh, mp_policy=policy)
+        assert next(model.parameters()).dtype == torch.float32  # the shards FSDP2 mixed precision keeps
         opt = swan_dist.SWAN(model, verbose=False, exchange_dtype=xd)
         tokens = torch.randint(0, 1024, (2, 65), generator=torch.Generator().manual_seed(rank))
         for _ in range(3):
             opt.zero_grad()
             model(tokens[:, :-1], tokens[:, 1:])[1].backward()
             opt.step()
-        out[xd] = {"bytes_per_step": opt.exchange.bytes_sent / 3, "shard_dtype": str(next(model.parameters()).dtype)}
+        out[xd] = opt.exchange.bytes_sent / 3
     dist.destroy_process_group()
     return out
 
@@ -60,20 +59,13 @@ def _train(rank, world, size, steps, seed, xd, out_dir):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sizes", default="tiny,small")
-    ap.add_argument("--seeds", default="0,1")
-    ap.add_argument("--steps", type=int, default=250, help="trainer steps per run (16 x 128 tokens each)")
-    ap.add_argument("--no-write", action="store_true")
-    args = ap.parse_args()
+    args = parser(__doc__, sizes="tiny,small", seeds="0,1", steps=250).parse_args()  # steps: of 16 x 128 tokens
     sizes, seeds = args.sizes.split(","), [int(s) for s in args.seeds.split(",")]
     lines = ["**Bytes per step** (rank 0's owner exchange, both directions; FSDP2, "
              "`MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`, fp32 shards, W = 2):", "",
              "| model | `param` (fp32 shards) | `bf16` | `fp32` | bf16 / param |", "|---|---:|---:|---:|---:|"]
     for size in sizes:
-        b = spawn(_bytes, 2, size)[0]
-        assert b["param"]["shard_dtype"] == "torch.float32", b
-        p, h, f = (b[x]["bytes_per_step"] / 2**10 for x in DTYPES)
+        p, h, f = (spawn(_bytes, 2, size)[0][x] / 2**10 for x in DTYPES)
         lines.append(f"| {size} | {p:,.1f} KiB | {h:,.1f} KiB | {f:,.1f} KiB | {h / p:.2f} |")
         print(lines[-1], flush=True)
     lines += ["", f"**Loss** (the reference trainer, FSDP2 at W = 2, fp32, wiki, {args.steps} steps of 16 x 128 "
@@ -92,14 +84,8 @@ def main() -> None:
         for xd, v in loss.items():
             cells = " | ".join(f"{x:.4f}" for x in v)
             lines.append(f"| {size} | `{xd}` | {cells} | {mean[xd]:.4f} | {last if xd == 'bf16' else '| |'}")
-    lines += ["", "**Reading it.** With fp32 shards, as FSDP2 mixed precision keeps them, the bf16 exchange sends half "
-              "the bytes of the parameters' dtype (gradient and update pieces alike; the finite flags ride along). "
-              "On this CPU SWAN‡ whitens in fp32, so `auto` sends `param` here; on a GPU it sends bf16. The loss "
-              "columns show whether the bf16 exchange moves the final loss by more than the seeds do."]
-    text = "\n".join(lines)
-    print(text)
-    if not args.no_write:
-        write_section("exchange-dtype-cpu", "Exchange dtype (CPU, W=2): bytes per step and the loss", text)
+    publish("exchange-dtype-cpu", "Exchange dtype (CPU, W=2): bytes per step and the loss", "\n".join(lines),
+            write=not args.no_write)
 
 
 if __name__ == "__main__":

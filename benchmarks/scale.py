@@ -1,8 +1,6 @@
-"""What does the owner engine cost at large W? One process as rank 0 of W on torch's fake process group
-(collectives return at once) with meta-device gradients: per model (LLaMA-7B, -70B, an MoE), layout (FSDP, HSDP
-with the exchange in the shard group or over the world) and W, plan and exchange build time, plan memory, peers,
-collectives and bytes one step sends against the minimum, and the whitening critical path against its bounds.
-The LLaMA shapes and the simulated step here are those of ``engine.py``'s planner table and ``gpu_model.py``.
+"""What does the owner engine cost at large W? One process as rank 0 of W on torch's fake process group with
+meta-device gradients: per model (LLaMA-7B, -70B, an MoE), layout (FSDP, HSDP) and W, plan and exchange build time,
+plan memory, peers, collectives, bytes sent against the minimum, the whitening critical path against its bounds.
 
     python benchmarks/scale.py            # W = 8, 64, 256, 1024 (a few minutes)
     python benchmarks/scale.py --quick    # W up to 256
@@ -23,12 +21,12 @@ from swan_dist.functional import WhitenConfig
 from swan_dist.plan import MatrixSpec, Plan, row_shard_ranges
 from swan_dist.whitening import swan_exchange, swan_plan
 
-from measure import parser, traced, write_section  # noqa: E402 (benchmarks/ is the script's folder)
+from measure import parser, publish, traced  # noqa: E402 (benchmarks/ is the script's folder)
 
 META = torch.device("meta")
 DTYPE = torch.bfloat16
 SHARD_GROUPS = (8, 64)
-BUCKET_MBS = (256, 1024, 4096)
+BUCKET_MB, BUCKET_MBS = 256, (256, 1024, 4096)  # the measured rows' bucket_mb; the bucket table's
 
 
 def llama(layers: int, dim: int, kv: int, ffn: int, cfg: WhitenConfig = WhitenConfig()) -> list[MatrixSpec]:
@@ -149,7 +147,7 @@ def format_row(r: SimpleNamespace) -> str:
             f"{r.slowest / r.world_bound:.2f} |")
 
 
-def run(worlds: tuple[int, ...], bucket_bytes: int) -> list[SimpleNamespace]:
+def run(worlds: tuple[int, ...]) -> list[SimpleNamespace]:
     torch.set_num_threads(1)  # torchrun's default with several processes per node
     warm = llama(1, 64, 64, 172)
     swan_exchange(swan_plan(warm, row_shard_ranges(warm, 4)), 0, None, META, [DTYPE] * len(warm))
@@ -161,7 +159,7 @@ def run(worlds: tuple[int, ...], bucket_bytes: int) -> list[SimpleNamespace]:
                 specs = make()
                 for layout in layouts(world):
                     group = dist.group.WORLD if layout.group == world else groups[layout.group]
-                    rows.append(measure(model, specs, world, layout, group, bucket_bytes))
+                    rows.append(measure(model, specs, world, layout, group, BUCKET_MB << 20))
                     print(format_row(rows[-1]), flush=True)
     return rows
 
@@ -179,7 +177,7 @@ def bucket_table(worlds: tuple[int, ...]) -> str:
     return "\n".join(lines)
 
 
-def findings(rows: list[SimpleNamespace], bucket_mb: float) -> str:
+def findings(rows: list[SimpleNamespace]) -> str:
     """What the numbers above say about the exchange at the largest W measured."""
     world = max(r.world for r in rows)
     find = {(r.model, r.layout): r for r in rows if r.world == world}
@@ -192,57 +190,34 @@ def findings(rows: list[SimpleNamespace], bucket_mb: float) -> str:
     off = sorted({f"{r.model} at W = {r.group}: {r.slowest / r.per_bucket:.2f}" for r in rows
                   if r.slowest > 1.005 * r.per_bucket})
     return "\n\n".join([
-        f"**The exchange at W = {world}.** Each collective is one `all_to_all_single` over all {world} ranks "
-        f"({big.collectives} per step for LLaMA-70B under FSDP). Under FSDP every rank holds a row slice of every "
-        f"matrix, so rank 0 sends gradients to the owner of each matrix it does not own (LLaMA-70B / 7B: "
-        f"{big.grad_peers} / {small.grad_peers} peers) and its own matrix's update to every holder "
-        f"({big.update_peers} / {small.update_peers}); {pct(big)} / {pct(small)} of the splits are non-empty, and it "
-        f"sends {mib(big.sent)} / {mib(small.sent)} per step ({big.sent / big.minimum:.2f}x / "
-        f"{small.sent / small.minimum:.2f}x the minimum for the plan's owners): for FSDP, **keep the one "
-        f"collective**. The MoE ({len(MODELS['MoE 64x']())} matrices, expert stacks sharded by whole experts) is "
-        f"the sparse case: {moe_row.messages} non-empty splits of {moe_row.collectives * moe_row.group} "
-        f"({pct(moe_row)}), {moe_row.grad_peers} + {moe_row.update_peers} peers.",
+        f"**The exchange at W = {world}** (LLaMA-70B / 7B under FSDP; 70B: {big.collectives} `all_to_all_single` "
+        f"per step). Rank 0 sends gradients to {big.grad_peers} / {small.grad_peers} owners and updates to "
+        f"{big.update_peers} / {small.update_peers} holders; {pct(big)} / {pct(small)} of the splits are non-empty, "
+        f"{mib(big.sent)} / {mib(small.sent)} per step, {big.sent / big.minimum:.2f}x / "
+        f"{small.sent / small.minimum:.2f}x the minimum: for FSDP, **keep the one collective**. The MoE is the "
+        f"sparse case: {pct(moe_row)} of the splits non-empty, {moe_row.grad_peers} + {moe_row.update_peers} peers.",
         f"**HSDP** (LLaMA-70B, shard groups of {each(lambda g, w: str(g.group))}). The exchange inside the shard "
-        f"group keeps rank 0's peers at {each(lambda g, w: str(g.grad_peers))}, but every group whitens every "
-        f"matrix: the critical path is {each(lambda g, w: f'{g.slowest / 1e12:,.1f}')} TFLOP, "
-        f"{each(lambda g, w: f'{g.slowest / g.world_bound:.1f}x')} the world bound, and rank 0 sends "
-        f"{each(lambda g, w: mib(g.sent))}. Over the world the critical path is "
-        f"{each(lambda g, w: f'{g.slowest / w.slowest:.1f}x')} shorter, but rank 0 sends "
-        f"{each(lambda g, w: mib(w.sent))} ({each(lambda g, w: f'{w.sent / g.sent:.1f}x')}) to "
-        f"{each(lambda g, w: str(w.update_peers))} peers: an owner sends its update to all {world - 1} other "
-        "holders, W/g copies of each piece.",
-        f"**Buckets.** The critical path meets its per-bucket bound{', except ' + ', '.join(off) if off else ''}. "
-        "Against the whole-model bound, `bucket_mb` decides: matrices above it fill their owner's share of a "
-        f"bucket, and where they outnumber W they need more buckets than the bound's even split (bucket_mb="
-        f"{bucket_mb:g}: up to {worst.slowest / worst.bound:.2f}x, {worst.model} at W = {worst.world}). Per "
-        "bucket_mb (FSDP, planning only):",
+        f"group keeps {each(lambda g, w: str(g.grad_peers))} peers, but its critical path is "
+        f"{each(lambda g, w: f'{g.slowest / g.world_bound:.1f}x')} the world bound; over the world rank 0 sends "
+        f"{each(lambda g, w: f'{w.sent / g.sent:.1f}x')} the bytes to {each(lambda g, w: str(w.update_peers))} peers.",
+        f"**Buckets.** The critical path meets its per-bucket bound{', except ' + ', '.join(off) if off else ''}; "
+        f"against the whole-model bound, bucket_mb={BUCKET_MB} gives up to {worst.slowest / worst.bound:.2f}x "
+        f"({worst.model} at W = {worst.world}). Per bucket_mb (FSDP, planning only):",
     ])
 
 
 def main() -> None:
-    ap = parser(__doc__, bucket_mb=256.0)
+    ap = parser(__doc__)
     ap.add_argument("--quick", action="store_true", help="W up to 256")
     args = ap.parse_args()
     worlds = (8, 64, 256) if args.quick else (8, 64, 256, 1024)
     print(HEADER)
-    rows = run(worlds, int(args.bucket_mb * 2**20))
-    text = "\n\n".join([findings(rows, args.bucket_mb), bucket_table(worlds), (
-        "**An lr schedule** adds nothing to these costs: the plan and exchange are keyed by the layouts only, so "
-        "they are built once, at the first step (tests/test_schedules.py, W = 2 and 4).")])
-    body = "\n".join([
-        "One process as rank 0 of W (torch's fake process group, meta-device gradients), NSDS whitening, "
-        f"bucket_mb={args.bucket_mb:g}, bf16 gradients, one thread; times are the best of 3. *HSDP g, group*: row "
-        "shards within shard groups of g ranks, the exchange inside rank 0's group; *HSDP g, world*: the exchange "
-        "over all W ranks. *peers*: ranks this one sends non-empty splits to; *minimum*: what the plan's owners "
-        "need from it (- where a replica could send in its place); *critical path*: Σ over buckets of the slowest "
-        "owner's whitening cost, against Σ_b max(cost(b)/W, largest of b) (*per-bucket bound*) and max(total/W, "
-        "largest matrix) for the exchange group (*bound*) and for all W ranks (*world bound*).",
-        "", HEADER, *map(format_row, rows), "", text])
+    rows = run(worlds)
     print()
-    print(text)
-    if not args.no_write:
-        write_section("engine-scale-cpu", "Owner engine at scale: planning, exchange and bytes per rank "
-                      "(CPU, simulated W)", body)
+    publish("engine-scale-cpu", "Owner engine at scale: planning, exchange and bytes per rank (CPU, simulated W)",
+            "\n".join([f"NSDS whitening, bucket_mb={BUCKET_MB}, bf16 gradients, one thread; times: best of 3.", "",
+                        HEADER, *map(format_row, rows), "", findings(rows), "", bucket_table(worlds)]),
+            write=not args.no_write)
 
 
 if __name__ == "__main__":

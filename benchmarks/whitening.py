@@ -1,7 +1,6 @@
 """How close does SWAN's update come to the GEMMs it needs? ``swan_update`` on the reference model's matrices
-(stacked by shape) per preset and dtype, against the FLOPs it needs and the device's rate on the same GEMMs and on
-one large square product; on a glibc CPU also in a child with glibc's trimming off. ``--against COMMIT``: this
-checkout's ``swan_update`` against COMMIT's, imported side by side in one process.
+(stacked by shape) per preset and dtype, against the device's rate on the same GEMMs and on one square product (on
+a glibc CPU also with glibc's trimming off). ``--against COMMIT``: against COMMIT's, side by side in one process.
 
     python benchmarks/whitening.py --size small
     python benchmarks/whitening.py --size small --against 1aaf204 --reps 9
@@ -25,7 +24,7 @@ import torch
 from swan_dist.functional import WhitenConfig, swan_update
 from swan_dist.reference.model import Llama, model_config
 
-from measure import median_time, parser, turns, write_section  # noqa: E402 (benchmarks/ is the script's folder)
+from measure import median_time, parser, publish, turns  # noqa: E402 (benchmarks/ is the script's folder)
 from optimizer_step import device_name, sync_of  # noqa: E402
 
 PRESETS = {"SWAN‡ (NSDS 2)": WhitenConfig("nsds", 2, 0.4), "SWAN† (NS 10)": WhitenConfig("ns", 10, 0.8)}
@@ -38,10 +37,8 @@ def _needed_flops(shape: tuple[int, int], cfg: WhitenConfig) -> float:
 
 
 def _gemms_only(stack: torch.Tensor, cfg: WhitenConfig):
-    """The products the algorithm needs on these shapes, nothing else (paper orientation: the Gram of
-    the input side, (in, out) after the transpose; a tall one transposed to its smaller side). Each matrix is
-    scaled to spectral norm 1, so that NS's chain of products neither overflows nor sinks into subnormals
-    (which x86 CPUs multiply many times slower: the rate measured would be theirs, not the GEMMs')."""
+    """The products the algorithm needs on these shapes, nothing else (the Gram of the smaller side), on matrices
+    of spectral norm 1: NS's chain of products then never sinks into subnormals (slow on x86 CPUs)."""
     x = (stack.mT if stack.shape[-1] <= stack.shape[-2] else stack).contiguous()  # (.., s, l)
     x = x / torch.linalg.matrix_norm(x.float(), ord=2, keepdim=True).clamp_min(1e-30).to(x.dtype)
     n_small = 3 * cfg.steps - 3 if cfg.method == "ns" else 0
@@ -58,16 +55,16 @@ def _no_trim_rows(args) -> list:
     """The same measurement in a child process with glibc's mmap/trim thresholds fixed high."""
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "rows.json")
-        cmd = [sys.executable, __file__, "--size", args.size, "--reps", str(args.reps),
-               "--compile", args.compile, "--rows-out", out] + (["--dtypes", args.dtypes] if args.dtypes else [])
-        subprocess.run(cmd, check=True, env={**os.environ, **NO_TRIM})
+        subprocess.run([sys.executable, __file__, "--size", args.size, "--reps", str(args.reps), "--dtypes",
+                        args.dtypes, "--compile", args.compile, "--rows-out", out], check=True,
+                       env={**os.environ, **NO_TRIM})
         with open(out) as f:
             return [tuple(r) for r in json.load(f)]
 
 
 def compare(args, stacks: dict, device: torch.device) -> None:
-    """Per dtype, preset and stack: this checkout's ``swan_update`` and ``args.against``'s (its package extracted
-    and imported as ``swan_dist_at``), called in turn ``args.reps`` times each; medians and their ratio."""
+    """Per dtype, preset and stack: this checkout's ``swan_update`` and ``args.against``'s (imported as
+    ``swan_dist_at``), called in turn ``args.reps`` times each; medians and their ratio."""
     import swan_dist.functional as this
 
     with tempfile.TemporaryDirectory() as folder:
@@ -81,7 +78,7 @@ def compare(args, stacks: dict, device: torch.device) -> None:
         other = importlib.import_module("swan_dist_at.functional")
         lines = [f"| dtype | preset | stack | this commit (ms) | {args.against} (ms) | ratio |",
                  "|---|---|---|---:|---:|---:|"]
-        for dt in (args.dtypes or "float32,bfloat16").split(","):
+        for dt in args.dtypes.split(","):
             for label, base in PRESETS.items():
                 total = [0.0, 0.0]
                 for shape, stack in stacks.items():
@@ -95,22 +92,17 @@ def compare(args, stacks: dict, device: torch.device) -> None:
                                  f"{old * 1e3:.2f} | {new / old:.2f}x |")
                 lines.append(f"| {dt} | {label} | **all** | {total[0] * 1e3:.2f} | {total[1] * 1e3:.2f} | "
                              f"**{total[0] / total[1]:.2f}x** |")
-    dev = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
-    text = "\n".join([
-        f"Reference model `{args.size}`'s matrices stacked by shape (as the whitening section above), {dev}, "
-        f"torch {torch.__version__}: `swan_update` of this commit and of commit {args.against}, imported side by "
-        f"side in one process and called in turn, median of {args.reps} each. A ratio under 1 is this commit faster.",
-        "", *lines])
-    print(text)
-    if not args.no_write:
-        kind = "GPU" if device.type == "cuda" else "CPU"
-        write_section(f"whitening-{device.type}-against", f"Whitening ({kind}): this commit against {args.against}",
-                      text)
+    intro = (f"Reference model `{args.size}`'s stacks, {device_name(device)}, torch {torch.__version__}: `swan_update` "
+             f"of this commit and of {args.against} in turn, median of {args.reps} each. A ratio under 1 is this "
+             "commit faster.")
+    kind = "GPU" if device.type == "cuda" else "CPU"
+    publish(f"whitening-{device.type}-against", f"Whitening ({kind}): this commit against {args.against}",
+            "\n".join([intro, "", *lines]), write=not args.no_write)
 
 
 def main() -> None:
-    # dtypes: float32,bfloat16 (default both); compile: auto (on CUDA), yes, no; rows_out: the child run's rows
-    ap = parser(__doc__, size="small", reps=5, dtypes="", compile="auto", rows_out="", against="")
+    # compile: auto (on CUDA), yes, no; rows_out: the child run's rows
+    ap = parser(__doc__, size="small", reps=5, dtypes="float32,bfloat16", compile="auto", rows_out="", against="")
     ap.add_argument("--no-allocator-run", action="store_true", help="skip the second run with glibc's trimming off")
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -125,7 +117,7 @@ def main() -> None:
     big = 4096 if device.type == "cuda" else 1024
     compiled = args.compile == "yes" or (args.compile == "auto" and device.type == "cuda")
     rows = []
-    for dt in (args.dtypes or "float32,bfloat16").split(","):
+    for dt in args.dtypes.split(","):
         a = torch.randn(big, big, device=device, dtype=getattr(torch, dt))
         square = 2 * big**3 / timed(lambda: a @ a) / 1e9
         for label, base in PRESETS.items():
@@ -151,8 +143,8 @@ def main() -> None:
     lines = [
         f"Reference model `{args.size}`: {sum(shapes.values())} matrices "
         f"({', '.join(f'{c}x {list(s)}' for s, c in sorted(shapes.items()))}), one process, {device_name(device)}, "
-        f"torch {torch.__version__}; median of {args.reps}. Needed FLOPs: Gram + final product (4 s² l per matrix) "
-        "and, for NS, 3K − 3 s×s products. Same-shape rate: those GEMMs alone, on the same stacks.",
+        f"torch {torch.__version__}; median of {args.reps}; update: {'compiled' if compiled else 'eager'}. Needed "
+        "FLOPs: Gram + final product (4 s² l per matrix), for NS 3K − 3 s×s products; same-shape: those GEMMs alone.",
         "",
         f"| allocator | dtype | preset | update (ms) | eager update (ms) | GEMMs alone (ms) | needed GFLOP | achieved "
         f"GFLOP/s | same-shape GEMM GFLOP/s | vs same-shape (target ≥ 80 %) | {big}² matmul GFLOP/s | vs {big}² |",
@@ -163,17 +155,10 @@ def main() -> None:
         lines.append(f"| {alloc} | {dt} | {label} | {t_upd * 1e3:.2f} | {t_eager * 1e3:.2f} | {t_gemm * 1e3:.2f} | "
                      f"{flops / 1e9:.2f} | {ach:.1f} | {gem:.1f} | {100 * ach / gem:.0f} % | {square:.1f} | "
                      f"{100 * ach / square:.0f} % |")
-    lines += ["", "update: as SWAN runs it on this device (" + ("through torch.compile" if compiled else "eager") +
-              "); eager update: SWAN_DIST_COMPILE=0. allocator: *glibc* as a process starts; *glibc, no trim*: "
-              "the same measurement in a child process with " + " ".join(f"{k}={v}" for k, v in NO_TRIM.items()) +
-              " (freed buffers stay with the process, no fresh pages to fault in and zero)."]
-    text = "\n".join(lines)
-    print(text)
-    if not args.no_write:
-        size = "" if args.size == "small" else f"-{args.size}"  # (a section per model size besides `small`)
-        kind = ("GPU" if device.type == "cuda" else "CPU") + (f", {args.size}" if size else "")
-        write_section(f"whitening-{device.type}{size}", f"Whitening efficiency ({kind}): swan_update vs its GEMMs",
-                      text)
+    size = "" if args.size == "small" else f"-{args.size}"  # (a section per model size besides `small`)
+    kind = ("GPU" if device.type == "cuda" else "CPU") + (f", {args.size}" if size else "")
+    publish(f"whitening-{device.type}{size}", f"Whitening efficiency ({kind}): swan_update vs its GEMMs",
+            "\n".join(lines), write=not args.no_write)
 
 
 if __name__ == "__main__":
