@@ -38,7 +38,7 @@ from swan_dist.integrations.megatron_factory import get_swan_optimizer  # noqa: 
 from swan_dist.memory import state_bytes  # noqa: E402
 from swan_dist.reference.data import WindowSampler, build_data, eval_batches  # noqa: E402
 
-try:  # Megatron's Muon needs emerging-optimizers v0.1.0 (bash benchmarks/install_muon.sh)
+try:  # Megatron's Muon needs emerging-optimizers v0.1.0 (bash launch/install_muon.sh)
     from megatron.core.optimizer.muon import HAVE_EMERGING_OPTIMIZERS as MUON, get_megatron_muon_optimizer
 except ImportError:
     MUON = False

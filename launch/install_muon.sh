@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Megatron's Muon for benchmarks/megatron.py. megatron-core 0.16.1's muon.py is written against
+# Megatron's Muon, for benchmarks/megatron.py. megatron-core 0.16.1's muon.py is written against
 # emerging-optimizers v0.1.0 (NVIDIA-NeMo/Emerging-Optimizers, the git tag megatron-core's pyproject pins;
 # PyPI carries only later releases, whose optimizer arguments differ, and which declare Python >= 3.12).
 # It imports triton at load (its kernels are not used on the CPU).
-# Usage: bash benchmarks/install_muon.sh [CHECKOUT]   (into ./.venv, after launch/setup.sh megatron)
+# Usage: bash launch/install_muon.sh [CHECKOUT]   (into ./.venv, after launch/setup.sh megatron)
 #   CHECKOUT: a local checkout of that tag (an absolute path), where github.com is not reachable
 set -euo pipefail
 cd "$(dirname "$0")/.."
