@@ -6,8 +6,6 @@ balance (LLaMA shapes up to W=512, planning only)? ``--against COMMIT``: the ste
     python benchmarks/engine.py --step-only --steps 10 --against 1aaf204 --rounds 2
 """
 
-from __future__ import annotations
-
 import json
 import os
 import statistics

@@ -6,8 +6,6 @@ loss (FSDP2, wiki, SWAN‡) with ``param`` and ``bf16`` per seed.
     python benchmarks/exchange_dtype.py --sizes tiny --steps 20 --no-write
 """
 
-from __future__ import annotations
-
 import statistics
 import tempfile
 

@@ -5,8 +5,6 @@ whitening rate is calibrated on the paper's SWAN‡ w/o MP point (1.3B LLaMA, 8x
     python benchmarks/gpu_model.py           # W = 8, 64, 256, 1024 (a minute or two)
 """
 
-from __future__ import annotations
-
 from types import SimpleNamespace
 
 import torch

@@ -6,8 +6,6 @@ the math to matter, against torch AdamW (foreach) under an lr schedule: step tim
     python benchmarks/lean_step.py --against 1aaf204 --rounds 3 --steps 30   # this commit's step against another's
 """
 
-from __future__ import annotations
-
 import contextlib
 import json
 import statistics

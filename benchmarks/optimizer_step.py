@@ -4,8 +4,6 @@ the reference LLaMA model, one process, the same fixed gradients; also the devic
     python benchmarks/optimizer_step.py --size small --steps 5
 """
 
-from __future__ import annotations
-
 import platform
 
 import torch

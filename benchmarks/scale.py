@@ -6,10 +6,7 @@ plan memory, peers, collectives, bytes sent against the minimum, the whitening c
     python benchmarks/scale.py --quick    # W up to 256
 """
 
-from __future__ import annotations
-
 import gc
-import time
 import tracemalloc
 from types import SimpleNamespace
 from typing import Callable, NamedTuple
@@ -21,7 +18,7 @@ from swan_dist.functional import WhitenConfig
 from swan_dist.plan import MatrixSpec, Plan, row_shard_ranges
 from swan_dist.whitening import swan_exchange, swan_plan
 
-from measure import parser, publish, traced  # noqa: E402 (benchmarks/ is the script's folder)
+from measure import median_time, parser, publish, traced  # noqa: E402 (benchmarks/ is the script's folder)
 
 META = torch.device("meta")
 DTYPE = torch.bfloat16
@@ -68,15 +65,6 @@ def layouts(world: int) -> list[Layout]:
     return out
 
 
-def best_of(n: int, fn: Callable[[], object]) -> tuple[float, object]:
-    times, out = [], None
-    for _ in range(n):
-        start = time.perf_counter()
-        out = fn()
-        times.append(time.perf_counter() - start)
-    return min(times), out
-
-
 def plan_memory(specs: list[MatrixSpec], layout: Layout, bucket_bytes: int) -> float:
     """MiB the plan holds once the gathered ranges it was built from are gone."""
     gc.collect()
@@ -112,8 +100,10 @@ def measure(model: str, specs: list[MatrixSpec], world: int, layout: Layout, gro
     """Rank 0's row (one step through the exchange's own code on meta tensors); ``shards``: the gradients'
     dtype, ``sent``: the dtype the exchange sends them in."""
     ranges, rank = layout.ranges(specs), dist.get_rank(group)
-    build_s, plan = best_of(3, lambda: swan_plan(specs, ranges, bucket_bytes=bucket_bytes))
-    exchange_s, ex = best_of(3, lambda: swan_exchange(plan, rank, group, META, [sent] * len(specs)))
+    build_s = min(median_time(lambda: swan_plan(specs, ranges, bucket_bytes=bucket_bytes), 3)[1])  # best of 3
+    plan = swan_plan(specs, ranges, bucket_bytes=bucket_bytes)
+    exchange_s = min(median_time(lambda: swan_exchange(plan, rank, group, META, [sent] * len(specs)), 3)[1])
+    ex = swan_exchange(plan, rank, group, META, [sent] * len(specs))
     ex.run([torch.empty(hi - lo, dtype=shards, device=META) for lo, hi in plan.ranges[rank]], set(),
            lambda m, update, finite: None)
     if ex.failure is not None:

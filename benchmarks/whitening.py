@@ -6,8 +6,6 @@ a glibc CPU also with glibc's trimming off). ``--against COMMIT``: against COMMI
     python benchmarks/whitening.py --size small --against 1aaf204 --reps 9
 """
 
-from __future__ import annotations
-
 import importlib
 import json
 import os
