@@ -1,16 +1,13 @@
 """How fast is the owner engine's step at W ranks (FSDP2, DDP), how many bytes does it send, how well does its planner
-balance (LLaMA shapes up to W=512, planning only)? ``--against COMMIT``: the step table on COMMIT's too, as ratios.
+balance (LLaMA shapes up to W=512, planning only)?
 
     python benchmarks/engine.py --planner-only
     python benchmarks/engine.py --step-only --steps 15
-    python benchmarks/engine.py --step-only --steps 10 --against 1aaf204 --rounds 2
 """
 
-import json
 import os
 import statistics
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -19,7 +16,7 @@ from swan_dist.functional import WhitenConfig
 from swan_dist.plan import row_shard_ranges
 from swan_dist.whitening import swan_exchange, swan_plan
 
-from measure import against, against_table, parser, publish, spawn, turns  # noqa: E402 (the script's folder)
+from measure import parser, publish, spawn, turns  # noqa: E402 (the script's folder)
 from scale import llama  # noqa: E402
 
 # (dim, ffn, layers) of the GaLore/SWAN LLaMA configurations.
@@ -193,53 +190,19 @@ def step_table(results: list[list], world: int, size: str, steps: int) -> str:
     return "\n".join(lines)
 
 
-def compare(args, kind: str) -> None:
-    """This checkout's step table against ``args.against``'s, the same script run on each in turn (measure.against):
-    per row the best of the rounds' medians, their ratio, and the ratio each vs its own adamw step."""
-    argv = ["--step-only", "--world", str(args.world), "--size", args.size, "--steps", str(args.steps)]
-    new, old = against(args.against, __file__, argv, args.rounds)
-    measured = any(r["whiten"] is not None for run in new for r in run)  # on the CPU only
-    ms = lambda w: "-" if w is None else f"{w * 1e3:.1f}"  # noqa: E731
-    whitening = (f"whitening (ms): this, {args.against}", lambda r, r0: f"{ms(r['whiten'])}, {ms(r0['whiten'])}")
-    lines, ratios = against_table(args.against, new, old, ("layout", "layout", "---"), ("adamw", "adamw"),
-                                  whitening if measured else None)
-    swan = {key: ratio for key, ratio in ratios.items() if key[1] != "adamw"}
-    spread = lambda xs: f"{min(xs):.2f}-{max(xs):.2f}x"  # noqa: E731
-    per_layout = [f"{layout}: {spread([r for (g, _), (r, _) in swan.items() if g == layout])} "
-                  f"({spread([q for (g, _), (_, q) in swan.items() if g == layout])} each vs its adamw; "
-                  f"adamw {ratios[(layout, 'adamw')][0]:.2f}x)" for layout in dict.fromkeys(g for g, _ in ratios)]
-    worst = max(swan, key=lambda key: swan[key][1])
-    intro = (f"The step table above (reference model `{args.size}`, W={args.world}, {args.steps} steps) run "
-             f"{args.rounds} times on this commit's swan_dist and on {args.against}'s, in turn; per row the best of "
-             "the rounds' medians. A ratio under 1 is this commit faster."
-             + (" Whitening: as in the section above, in the round kept." if measured else ""))
-    summary = (f"The SWAN rows' step time against {args.against}: {'; '.join(per_layout)}. The highest ratio each "
-               f"vs its adamw: {worst[0]} {worst[1]}, {swan[worst][1]:.2f}x.")
-    publish(f"engine-step-{kind}-against", f"Owner engine ({kind.upper() if kind == 'cpu' else 'GPU'}): this commit "
-            f"against {args.against}", "\n".join([intro, "", *lines, "", summary]), write=not args.no_write)
-
-
 def main() -> None:
-    # json: the step rows written there too; against: COMMIT, the step table run --rounds times on each
-    ap = parser(__doc__, world=2, size="small", steps=5, json="", against="", rounds=2)
+    ap = parser(__doc__, world=2, size="small", steps=5)
     only = ap.add_mutually_exclusive_group()
     only.add_argument("--planner-only", action="store_true", help="only the planner table (computed, no processes)")
     only.add_argument("--step-only", action="store_true", help="only the step-time table (W processes)")
     args = ap.parse_args()
     kind = "cuda" if torch.cuda.is_available() else "cpu"
-    if args.against:
-        if args.planner_only:
-            ap.error("--against compares the step table; it does not go with --planner-only")
-        return compare(args, kind)
     if not args.step_only:
         publish("engine-planner", "Owner engine: planner balance (planning only, no device)", planner_table(),
                 write=not args.no_write)
     if args.planner_only:
         return
     results = spawn(_rank, args.world, args.size, args.steps)[0]
-    if args.json:
-        Path(args.json).write_text(json.dumps([dict(layout=r[0], name=r[1], t=r[2], whiten=None if r[1] == "adamw"
-                                                    else r[5]) for r in results]))
     publish(f"engine-step-{kind}", f"Owner engine ({kind.upper() if kind == 'cpu' else 'GPU'}): step time and bytes "
             f"at W={args.world}", step_table(results, args.world, args.size, args.steps), write=not args.no_write)
 

@@ -3,15 +3,12 @@ the math to matter, against torch AdamW (foreach) under an lr schedule: step tim
 
     python benchmarks/lean_step.py --steps 50
     python benchmarks/lean_step.py --world 0 --no-write   # one process only
-    python benchmarks/lean_step.py --against 1aaf204 --rounds 3 --steps 30   # this commit's step against another's
 """
 
 import contextlib
-import json
 import statistics
 import warnings
 from collections import Counter
-from pathlib import Path
 from unittest import mock
 
 import torch
@@ -20,7 +17,7 @@ from torch import nn
 
 from swan_dist.host_reads import HostReads
 
-from measure import against, against_table, parser, publish, spawn, turns  # noqa: E402 (the script's folder)
+from measure import parser, publish, spawn, turns  # noqa: E402 (the script's folder)
 from optimizer_step import device_name, sync_of  # noqa: E402
 
 LAYERS, DIM = 48, 64
@@ -139,10 +136,8 @@ def table(rows: list[dict], n_tensors: int, world: int) -> list[str]:
 
 
 def main() -> None:
-    # world: also W processes (0: one only); json: the rows written there too; against: COMMIT, --rounds runs each
-    args = parser(__doc__, steps=50, world=2, json="", against="", rounds=2).parse_args()
-    if args.against:
-        return compare(args)
+    # world: also W processes (0: one only)
+    args = parser(__doc__, steps=50, world=2).parse_args()
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     if not cuda:
@@ -151,16 +146,13 @@ def main() -> None:
     n_tensors, n_matrices = len(grads), 7 * LAYERS
     names = ["adamw-foreach", "adamw-fused", "swan-none", "swan-none+sign"]
     rows = measure(names, model, grads, args.steps, device)
-    lines, found = table(rows, n_tensors, 1), [dict(r, world=1) for r in rows]
+    lines = table(rows, n_tensors, 1)
     multi = args.world > 1 and (not cuda or torch.cuda.device_count() >= args.world)
     if multi:  # one GPU per rank under NCCL; on the CPU, gloo
         wnames = ["adamw-foreach", "swan-none@owner", "swan-none+sign@owner", "swan-none@local"]
         wrows = spawn(_rank, args.world, LAYERS, DIM, args.steps, wnames, cuda)[0]
         wlines = table(wrows, n_tensors, args.world)  # its header adds the collectives column: W=1 rows get '-'
         lines = wlines[:2] + [line + " - |" for line in lines[2:]] + wlines[2:]
-        found += [dict(r, world=args.world) for r in wrows]
-    if args.json:
-        Path(args.json).write_text(json.dumps([{k: r[k] for k in ("world", "name", "t", "syncs")} for r in found]))
 
     setup = (f"{LAYERS} layers x 7 `Linear({DIM}, {DIM}, bias=False)` ({n_matrices} matrices) + 2 RMSNorms each, "
              f"embedding, final norm, head: {n_tensors} tensors ({sum(g.numel() for g in grads) / 1e6:.2f}M "
@@ -172,20 +164,6 @@ def main() -> None:
     setup += "." if multi or args.world <= 1 else f". W={args.world} needs {args.world} GPUs."
     publish(f"lean-step-{device.type}", f"Lean step ({device.type.upper()}): per-tensor overhead on many small "
             "matrices under an lr schedule", "\n".join([setup, "", *lines]), write=not args.no_write)
-
-
-def compare(args) -> None:
-    """This checkout's step against ``args.against``'s, the same script run on each in turn (measure.against)."""
-    argv = ["--steps", str(args.steps), "--world", str(args.world)]
-    new, old = against(args.against, __file__, argv, args.rounds)
-    lines, _ = against_table(args.against, new, old, ("world", "W", "---:"), ("adamw-foreach", "AdamW foreach"),
-                             (f"host reads / step: this, {args.against}", lambda r, r0: f"{r['syncs']}, {r0['syncs']}"))
-    intro = (f"The section above's rows ({args.steps} steps) run {args.rounds} times on this commit's swan_dist and "
-             f"on {args.against}'s, in turn; per row the best of the rounds' medians. A ratio under 1 is this commit "
-             "faster.")
-    kind = "cuda" if torch.cuda.is_available() else "cpu"
-    publish(f"lean-step-{kind}-against", f"Lean step ({kind.upper()}): this commit against {args.against}",
-            "\n".join([intro, "", *lines]), write=not args.no_write)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """What every benchmark measures with: timing by rounds, peak memory (resident ``VmHWM``; live tensors by
-MemTracker, also traced on fake tensors), spawned ranks, runs against another commit, and the report: a
+MemTracker, also traced on fake tensors), spawned ranks, and the report: a
 section of docs/benchmarks.md with its provenance stamp and its tables as JSON in docs/results/."""
 
 from __future__ import annotations
@@ -134,67 +134,9 @@ def row(*cells) -> str:
     return "| " + " | ".join(map(str, cells)) + " |"
 
 
-_STAMP = re.compile(r"_Measured (?P<date>\S+) by `(?P<script>[^`]+)` \((?:`(?P<command>[^`]*)`|command not recorded)\), "
+_STAMP = re.compile(r"_Measured (?P<date>\S+) by `(?P<script>[^`]+)` "
+                    r"\((?:`(?P<command>[^`]*)`|command not recorded)\), "
                     r"commit (?P<commit>[^,]+), (?:host CPU (?P<cpu>[^,]+), )?(?P<device>[^.]*)\.?_")
-
-
-def against(commit: str, script: str, argv: list[str], rounds: int = 2) -> tuple[list[list[dict]], list[list[dict]]]:
-    """``script`` run ``rounds`` times on this checkout's library and as many on ``commit``'s (its ``swan_dist/``,
-    ``integrations/``, ``configs/`` first on PYTHONPATH; ``swan_dist/host_reads.py`` from here where it lacks it),
-    in turn, with ``argv --no-write --json FILE``: (this checkout's rows per run, the commit's)."""
-    import shutil
-    import tempfile
-
-    root = DOC.parent.parent
-    runs: tuple[list, list] = ([], [])
-    with tempfile.TemporaryDirectory() as tmp:
-        old = Path(tmp) / "old"
-        old.mkdir()
-        archive = subprocess.run(["git", "archive", commit, "swan_dist", "integrations", "configs"], cwd=root,
-                                 capture_output=True, check=True).stdout
-        subprocess.run(["tar", "-x", "-C", str(old)], input=archive, check=True)
-        for path in ("swan_dist/host_reads.py",):
-            if not (old / path).exists():
-                shutil.copy(root / path, old / path)
-        for r in range(rounds):
-            for k, path in enumerate((root, old)):
-                out = Path(tmp) / f"rows{r}{k}.json"
-                env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(path), str(Path(script).resolve().parent)])}
-                print(f"{'this checkout' if k == 0 else commit}, round {r + 1}:", flush=True)
-                subprocess.run([sys.executable, script, *argv, "--no-write", "--json", str(out)], env=env, check=True)
-                runs[k].append(json.loads(out.read_text()))
-    return runs
-
-
-def against_table(commit: str, new: list[list[dict]], old: list[list[dict]], group: tuple[str, str, str],
-                  ref: tuple[str, str], extra: tuple[str, Callable[[dict, dict], str]] | None = None,
-                  ) -> tuple[list[str], dict[tuple, tuple[float, float]]]:
-    """:func:`against`'s runs (rows with ``name`` and seconds ``t``) as a table: per (``group`` field, name) the
-    best round on each side, their ratio, and the ratio with each side relative to its own ``ref`` row.
-    ``group``: (field, header, alignment); ``ref``: (name, as the header says it); ``extra``: a last column
-    (header, cell of the two best rows). Returns the lines and per key (ratio, ratio relative to ``ref``)."""
-    def best(runs: list[list[dict]]) -> dict[tuple, dict]:
-        out: dict[tuple, dict] = {}
-        for run in runs:
-            for r in run:
-                key = (r[group[0]], r["name"])
-                if key not in out or r["t"] < out[key]["t"]:
-                    out[key] = r
-        return out
-
-    a, b = best(new), best(old)
-    head = f"| {group[1]} | optimizer | this commit (ms) | {commit} (ms) | ratio | ratio, each vs its {ref[1]} |"
-    sep = f"|{group[2]}|---|---:|---:|---:|---:|"
-    if extra:
-        head, sep = f"{head} {extra[0]} |", f"{sep}---|"
-    lines, ratios = [head, sep], {}
-    for (g, name), r in a.items():
-        r0 = b[(g, name)]
-        t, t0 = r["t"], r0["t"]
-        ratios[(g, name)] = (t / t0, (t / a[(g, ref[0])]["t"]) / (t0 / b[(g, ref[0])]["t"]))
-        line = f"| {g} | {name} | {t * 1e3:.2f} | {t0 * 1e3:.2f} | {t / t0:.2f}x | {ratios[(g, name)][1]:.2f}x |"
-        lines.append(f"{line} {extra[1](r, r0)} |" if extra else line)
-    return lines, ratios
 
 
 def parser(doc: str, **options) -> argparse.ArgumentParser:

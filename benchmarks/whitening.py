@@ -1,20 +1,16 @@
 """How close does SWAN's update come to the GEMMs it needs? ``swan_update`` on the reference model's matrices
 (stacked by shape) per preset and dtype, against the device's rate on the same GEMMs and on one square product (on
-a glibc CPU also with glibc's trimming off). ``--against COMMIT``: against COMMIT's, side by side in one process.
+a glibc CPU also with glibc's trimming off).
 
     python benchmarks/whitening.py --size small
-    python benchmarks/whitening.py --size small --against 1aaf204 --reps 9
 """
 
-import importlib
 import json
 import os
 import platform
-import statistics
 import subprocess
 import sys
 import tempfile
-import types
 from collections import Counter
 
 import torch
@@ -22,7 +18,7 @@ import torch
 from swan_dist.functional import WhitenConfig, swan_update
 from swan_dist.reference.model import Llama, model_config
 
-from measure import median_time, parser, publish, turns  # noqa: E402 (benchmarks/ is the script's folder)
+from measure import median_time, parser, publish  # noqa: E402 (benchmarks/ is the script's folder)
 from optimizer_step import device_name, sync_of  # noqa: E402
 
 PRESETS = {"SWAN‡ (NSDS 2)": WhitenConfig("nsds", 2, 0.4), "SWAN† (NS 10)": WhitenConfig("ns", 10, 0.8)}
@@ -60,47 +56,9 @@ def _no_trim_rows(args) -> list:
             return [tuple(r) for r in json.load(f)]
 
 
-def compare(args, stacks: dict, device: torch.device) -> None:
-    """Per dtype, preset and stack: this checkout's ``swan_update`` and ``args.against``'s (imported as
-    ``swan_dist_at``), called in turn ``args.reps`` times each; medians and their ratio."""
-    import swan_dist.functional as this
-
-    with tempfile.TemporaryDirectory() as folder:
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        archive = subprocess.run(["git", "archive", args.against, "swan_dist"], cwd=root, capture_output=True,
-                                 check=True).stdout
-        subprocess.run(["tar", "-x", "-C", folder], input=archive, check=True)
-        package = types.ModuleType("swan_dist_at")
-        package.__path__ = [os.path.join(folder, "swan_dist")]
-        sys.modules["swan_dist_at"] = package
-        other = importlib.import_module("swan_dist_at.functional")
-        lines = [f"| dtype | preset | stack | this commit (ms) | {args.against} (ms) | ratio |",
-                 "|---|---|---|---:|---:|---:|"]
-        for dt in args.dtypes.split(","):
-            for label, base in PRESETS.items():
-                total = [0.0, 0.0]
-                for shape, stack in stacks.items():
-                    cfgs = [m.WhitenConfig(base.method, base.steps, base.beta, dtype=dt) for m in (this, other)]
-                    times = turns({"new": lambda: this.swan_update(stack, cfgs[0]),
-                                   "old": lambda: other.swan_update(stack, cfgs[1])}, args.reps, warmup=2,
-                                  sync=sync_of(device))
-                    new, old = statistics.median(times["new"]), statistics.median(times["old"])
-                    total = [total[0] + new, total[1] + old]
-                    lines.append(f"| {dt} | {label} | {stack.shape[0]}x {list(shape)} | {new * 1e3:.2f} | "
-                                 f"{old * 1e3:.2f} | {new / old:.2f}x |")
-                lines.append(f"| {dt} | {label} | **all** | {total[0] * 1e3:.2f} | {total[1] * 1e3:.2f} | "
-                             f"**{total[0] / total[1]:.2f}x** |")
-    intro = (f"Reference model `{args.size}`'s stacks, {device_name(device)}, torch {torch.__version__}: `swan_update` "
-             f"of this commit and of {args.against} in turn, median of {args.reps} each. A ratio under 1 is this "
-             "commit faster.")
-    kind = "GPU" if device.type == "cuda" else "CPU"
-    publish(f"whitening-{device.type}-against", f"Whitening ({kind}): this commit against {args.against}",
-            "\n".join([intro, "", *lines]), write=not args.no_write)
-
-
 def main() -> None:
     # compile: auto (on CUDA), yes, no; rows_out: the child run's rows
-    ap = parser(__doc__, size="small", reps=5, dtypes="float32,bfloat16", compile="auto", rows_out="", against="")
+    ap = parser(__doc__, size="small", reps=5, dtypes="float32,bfloat16", compile="auto", rows_out="")
     ap.add_argument("--no-allocator-run", action="store_true", help="skip the second run with glibc's trimming off")
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -109,8 +67,6 @@ def main() -> None:
     shapes = Counter(tuple(p.shape) for n, p in model.named_parameters()
                      if p.dim() == 2 and "tok_embeddings" not in n and not n.startswith("output"))
     stacks = {s: torch.randn(c, *s, device=device) * 1e-3 for s, c in sorted(shapes.items())}
-    if args.against:
-        return compare(args, stacks, device)
     timed = lambda fn: median_time(fn, args.reps, warmup=2, sync=sync_of(device))[0]  # noqa: E731
     big = 4096 if device.type == "cuda" else 1024
     compiled = args.compile == "yes" or (args.compile == "auto" and device.type == "cuda")
