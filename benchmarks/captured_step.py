@@ -5,8 +5,6 @@ fixed gradients under an lr schedule. Writes `captured-step-cuda`; without CUDA,
     python benchmarks/captured_step.py --sizes 1b3,7b
 """
 
-from __future__ import annotations
-
 import types
 import warnings
 
@@ -15,7 +13,7 @@ import torch
 import swan_dist
 from swan_dist.reference.baselines import MuonWithAdamW, muon_split
 
-from measure import best_round, median_time, parser, publish  # (benchmarks/ is the script's folder)
+from measure import median_time, parser, publish  # (benchmarks/ is the script's folder)
 from optimizer_step import reference, sync_of  # noqa: E402
 
 WARMUP, LR = 3, 1e-3
@@ -60,7 +58,7 @@ def best_time(name: str, model: torch.nn.Module, args, device: torch.device) -> 
             warnings.simplefilter("ignore", UserWarning)
             sched.step()
 
-    return best_round(args.rounds, lambda: median_time(step, args.steps, sync=sync_of(device), before=next_lr)[0])
+    return min(median_time(step, args.steps, sync=sync_of(device), before=next_lr)[0] for _ in range(args.rounds))
 
 
 def measure(size: str, args, device: torch.device) -> dict[str, float]:

@@ -4,8 +4,6 @@ iteration time, optimizer state and fp32 master bytes of the reference LLaMA at 
     python benchmarks/deepspeed_zero.py --size small --steps 6
 """
 
-from __future__ import annotations
-
 import os
 import statistics
 

@@ -72,19 +72,7 @@ export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 {
     echo "== environment ($(date -u +%FT%TZ))"
     nvidia-smi || echo "nvidia-smi not found"
-    PYTHONSAFEPATH=1 $PY - <<'EOF'  # (stdin: no checkout first on sys.path, see the pytest step)
-import sys, warnings, torch
-warnings.filterwarnings("ignore")
-print("python", sys.version.split()[0], "| torch", torch.__version__, "| CUDA", torch.version.cuda,
-      "| available", torch.cuda.is_available(), "|", torch.cuda.get_device_name(0) if torch.cuda.is_available() else "-")
-import swan_dist, swan_dist.integrations
-print("swan_dist", swan_dist.__version__, "from", swan_dist.__file__, "| integrations from", swan_dist.integrations.__path__[0])
-try:
-    import megatron.core, swan_dist.integrations.megatron_factory
-    print("megatron-core", megatron.core.__version__, "from", megatron.core.__file__)
-except Exception as e:
-    print("megatron-core NOT importable:", type(e).__name__, e)
-EOF
+    PYTHONSAFEPATH=1 $PY -m swan_dist  # the environment report: versions, what imports, the devices
 } 2>&1 | tee -a "$OUT/env.log"
 
 CUDA=$($PY -c "import torch; print(int(torch.cuda.is_available()))" 2>/dev/null || echo 0)

@@ -6,8 +6,6 @@ W ranks (gloo, each block an FSDP module): the median and its ratio (the slowest
     python benchmarks/in_backward.py --size tiny --no-write   # a quick look
 """
 
-from __future__ import annotations
-
 import functools
 import statistics
 

@@ -152,13 +152,6 @@ def parser(doc: str, **options) -> argparse.ArgumentParser:
 
 
 # ------------------------------------------------------------------------------------------ processes
-def free_port() -> int:
-    """A free TCP port on loopback, for a spawned group's ``MASTER_PORT``."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def spawn(fn: Callable, world: int, *args) -> list:
     """``fn(rank, world, *args)`` in ``world`` spawned processes (one thread each, torchrun's environment set:
     ``MASTER_ADDR``/``PORT``, ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``; ``fn`` starts its process group); the
@@ -167,8 +160,11 @@ def spawn(fn: Callable, world: int, *args) -> list:
 
     import torch.multiprocessing as mp
 
+    with socket.socket() as s:  # a free port on loopback
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as out:
-        mp.start_processes(_spawned, args=(world, free_port(), out, fn, args), nprocs=world, start_method="spawn")
+        mp.start_processes(_spawned, args=(world, port, out, fn, args), nprocs=world, start_method="spawn")
         return [json.loads((Path(out) / f"{r}.json").read_text()) for r in range(world)]
 
 
@@ -218,11 +214,6 @@ def turns(calls: dict[str, Callable[[], object]], steps: int, warmup: int = 0,
             if k >= warmup:
                 out[name].append(t)
     return out
-
-
-def best_round(rounds: int, run: Callable[[], float]) -> float:
-    """The best of ``rounds`` runs' results (each a median time): a round slowed by the machine counts least."""
-    return min(run() for _ in range(rounds))
 
 
 # ------------------------------------------------------------------------------------------ memory: resident

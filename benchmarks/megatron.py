@@ -5,8 +5,6 @@ CPU) at TP=W, DP=W (distributed optimizer) and, with ``--moe``, EP=2: step time,
     python benchmarks/megatron.py --world 4 --moe       # spawns W processes (or under torchrun: W = its world)
 """
 
-from __future__ import annotations
-
 import importlib.util
 import math
 import os

@@ -6,8 +6,6 @@ resident and live tensor bytes by category on the CPU, each optimizer in a fresh
     python benchmarks/memory.py --device cuda --sizes 1b3,7b --size-timeout 115
 """
 
-from __future__ import annotations
-
 import contextlib
 import gc
 import json

@@ -3,8 +3,6 @@ live (``FSDPMemTracker``) or traced without allocating (rank r of W on torch's f
 a fake step assumes every gradient finite), two steps with the real optimizer, the second counted; one process's
 step under MemTracker and the bound on its transient; the LLaMA shapes, the bf16 model built in place."""
 
-from __future__ import annotations
-
 import contextlib
 
 import torch

@@ -5,8 +5,6 @@ step traced (memory_estimate.py), SWAN's step at least its GPU schedule's bound,
     python benchmarks/real_setup.py                      # every point (about half an hour on 2 cores)
 """
 
-from __future__ import annotations
-
 import torch
 
 import gpu_model as gm
