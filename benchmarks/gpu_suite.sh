@@ -105,7 +105,7 @@ fi
 step optimizer_step 90 $PY benchmarks/optimizer_step.py "${NOWRITE[@]}"
 # the bookkeeping step on many small matrices (one GPU: W=1 only; writes `lean-step-cuda`)
 step lean_step 60 $PY benchmarks/lean_step.py --world 0 $([ "$CUDA" = 1 ] || echo "--steps 5") "${NOWRITE[@]}"
-# SWAN's numerics on the GPU against the CPU's fp64 (tests/test_cuda_numerics.py)
+# SWAN's numerics on the GPU against the CPU's (tests/test_cuda_numerics.py)
 step cuda_numerics 90 $PY -m pytest -q -p no:cacheprovider tests/test_cuda_numerics.py
 # megatron-core at W=1 on NCCL, a ~150M model (writes `megatron-cuda`)
 step megatron 120 $PY -m torch.distributed.run --standalone --nproc-per-node 1 benchmarks/megatron.py "${BIG[@]}" \

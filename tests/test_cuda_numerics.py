@@ -1,8 +1,9 @@
-"""SWAN's numerics on each device against a reference on the CPU: ``swan_update`` per whitening and dtype
-against fp64 (and on extreme gradients), NS's polar factor against the exact one, one SWAN step of the
-reference ``tiny`` model, and ``step_in_backward`` (one process, FSDP2 at W=1) against the ordinary step.
-The CUDA cases run where CUDA is present (benchmarks/gpu_suite.sh runs this file on a GPU); on the CPU the
-same comparisons run in fp32 (and in bf16 where the CPU multiplies it natively) against fp64."""
+"""SWAN's numerics on a CUDA device against the CPU: ``swan_update`` per whitening and dtype against fp64 (and
+on extreme gradients against the CPU's fp32), NS's polar factor against the exact one, one SWAN step of the
+reference ``tiny`` model against the CPU's, and ``step_in_backward`` (one process, FSDP2 at W=1) against the
+ordinary step. Skipped without CUDA (benchmarks/gpu_suite.sh runs it on a GPU): on the CPU the same properties
+are tests/test_functional.py's (fp64 references, extreme inputs, NS's polar factor, the bf16 rule) and
+tests/test_in_backward.py's."""
 
 from __future__ import annotations
 
@@ -16,8 +17,7 @@ import swan_dist
 from swan_dist.functional import WhitenConfig, resolve_dtype, swan_update, whiten
 from swan_dist.reference.model import Llama, model_config
 
-CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="a CUDA case needs a GPU")
-DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=CUDA)]
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="compares a CUDA device with the CPU")
 
 # max |Δ| / RMS(update) against fp64 on the CPU: fp32 within 1e-3; bf16 whitening (8-bit mantissa, two NSDS
 # steps) is expected to differ by a few percent of the update's scale per element
@@ -48,21 +48,16 @@ def _weights(model) -> dict[str, torch.Tensor]:
             for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", ["float32", "auto"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_swan_update_against_fp64(case, dtype, device, monkeypatch):
-    """fp32 within 1e-3 of the update's RMS; 'auto' as it resolves on the device (bf16 NSDS on CUDA and on
-    CPUs with native bf16, within 0.1; the CPU detection itself, not the suite's fp32 pin)."""
-    monkeypatch.delenv("SWAN_DIST_CPU_BF16", raising=False)
+def test_swan_update_against_fp64(case, dtype):
+    """fp32 within 1e-3 of the update's RMS; 'auto' as it resolves on CUDA (bf16 for NSDS), within 0.1."""
     shape, cfg = CASES[case]
     run = dataclasses.replace(cfg, dtype=dtype)
-    used = resolve_dtype(run, torch.device(device))
-    if dtype == "auto" and used == torch.float32 and device == "cpu":
-        pytest.skip("'auto' is fp32 on this CPU (no native bf16): the float32 case")
+    used = resolve_dtype(run, torch.device("cuda"))
     grad = torch.randn(*shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64) * 1e-3
     want = swan_update(grad, dataclasses.replace(cfg, dtype="float64"))[0]
-    got, finite = swan_update(grad.float().to(device), run)
+    got, finite = swan_update(grad.float().cuda(), run)
     assert bool(finite.all())
     assert _rel(got, want) <= TOL[used], (case, dtype, used, _rel(got, want))
 
@@ -78,32 +73,27 @@ EXTREME_CONFIGS = {"swan-ddagger": WhitenConfig(dtype="float32"),
                    "no-gradnorm-no-whitening": WhitenConfig(method="none", grad_norm="none")}
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("config", list(EXTREME_CONFIGS))
 @pytest.mark.parametrize("kind", list(EXTREME))
-def test_extreme_gradients(kind, config, device):
-    """fp32 gradients at the edges of fp32's range: finite, the same finite flags and the same update
-    (within 1e-3 of its RMS) as the CPU's fp32 update (on CUDA) or the fp64 one on the CPU."""
+def test_extreme_gradients(kind, config):
+    """fp32 gradients at the edges of fp32's range: finite, the same finite flags and the same update (within
+    1e-3 of its RMS) as the CPU's fp32 update."""
     x, cfg = EXTREME[kind](), EXTREME_CONFIGS[config]
-    if device == "cpu":
-        want, want_finite = swan_update(x.double(), dataclasses.replace(cfg, dtype="float64"))
-    else:
-        want, want_finite = swan_update(x, cfg)
-    got, finite = swan_update(x.to(device), cfg)
+    want, want_finite = swan_update(x, cfg)
+    got, finite = swan_update(x.cuda(), cfg)
     assert bool(want_finite.all()) and bool(finite.cpu().all())
     assert bool(got.isfinite().all())
     assert _rel(got, want) <= 1e-3, (kind, config, _rel(got, want))
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("rows, cols", [(64, 256), (256, 64), (48, 48)])
-def test_ns_polar_factor(rows, cols, device):
+def test_ns_polar_factor(rows, cols):
     """30 NS steps in fp32 on a well-conditioned matrix (singular values in [1, 3]) give U V^T within 5e-5."""
     g = torch.Generator().manual_seed(4)
     k = min(rows, cols)
     u, v = (torch.linalg.qr(torch.randn(n, k, generator=g, dtype=torch.float64))[0] for n in (rows, cols))
     m = (u * (1 + 2 * torch.rand(k, generator=g, dtype=torch.float64))) @ v.T
-    out = whiten(m.float().to(device), "ns", steps=30, beta=0.5)
+    out = whiten(m.float().cuda(), "ns", steps=30, beta=0.5)
     err = (out.double().cpu() - u @ v.T).abs().max().item()
     assert err <= 5e-5, err
 
@@ -118,12 +108,11 @@ def _one_step(device, dtype) -> tuple[dict, dict]:
     return start, _weights(model)
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_swan_step_on_the_tiny_model(device):
-    """One SWAN‡ step (fp32 whitening) of the reference ``tiny`` model on CUDA against the CPU's, or in fp32
-    against fp64 on the CPU: per tensor, the largest difference within 1e-3 of the largest step."""
-    start, want = _one_step("cpu", torch.float64 if device == "cpu" else torch.float32)
-    _, got = _one_step(device, torch.float32)
+def test_swan_step_on_the_tiny_model():
+    """One SWAN‡ step (fp32 whitening) of the reference ``tiny`` model on CUDA against the CPU's: per tensor, the
+    largest difference within 1e-3 of the largest step."""
+    start, want = _one_step("cpu", torch.float32)
+    _, got = _one_step("cuda", torch.float32)
     worst = {n: ((got[n] - want[n]).abs().max() / (want[n] - start[n]).abs().max().clamp_min(1e-12)).item()
              for n in start}
     assert max(worst.values()) <= 1e-3, worst
@@ -159,18 +148,16 @@ def _in_backward(device: torch.device, fsdp: bool) -> float:
     return max((out[True][n] - out[False][n]).abs().max().item() for n in out[True]) / moved[False]
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("layout", ["one-process", "fsdp2-w1"])
-def test_step_in_backward_equals_the_ordinary_step(layout, device):
-    """Three steps with an lr schedule: within 1e-4 of the largest movement of a weight. FSDP2 at W=1 in
-    this process (gloo on the CPU, NCCL on CUDA, over an in-memory store)."""
-    dev = torch.device(device, torch.cuda.current_device()) if device == "cuda" else torch.device(device)
+def test_step_in_backward_equals_the_ordinary_step(layout):
+    """Three steps with an lr schedule on CUDA: within 1e-4 of the largest movement of a weight. FSDP2 at W=1
+    in this process (NCCL over an in-memory store)."""
+    dev = torch.device("cuda", torch.cuda.current_device())
     if layout == "one-process":
         err = _in_backward(dev, fsdp=False)
     else:
         assert not dist.is_initialized()
-        dist.init_process_group("nccl" if device == "cuda" else "gloo", store=dist.HashStore(), rank=0,
-                                world_size=1, device_id=dev if device == "cuda" else None)
+        dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=dev)
         try:
             err = _in_backward(dev, fsdp=True)
         finally:
